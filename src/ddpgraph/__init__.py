@@ -1,0 +1,32 @@
+"""ddpgraph: fast PyTorch data-parallel training that never fails silently.
+
+Public names are exactly those in ``__all__`` (pinned by a test); everything else is internal.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    CaptureError,
+    CollectiveTimeout,
+    ConfigError,
+    DeviceConflictError,
+    DistributedStateError,
+    ObjectCollectiveError,
+)
+from .runtime import Runtime, get_runtime, init, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError",
+    "CollectiveTimeout",
+    "ConfigError",
+    "DeviceConflictError",
+    "DistributedStateError",
+    "ObjectCollectiveError",
+    "Runtime",
+    "__version__",
+    "get_runtime",
+    "init",
+    "shutdown",
+]

@@ -1,0 +1,364 @@
+"""One-call distributed set-up: read the launcher's environment, bind the device, check it.
+
+``init()`` turns torchrun's environment (or none: a single process) into a process group whose
+every rank is bound to its own device *before* any CUDA work, and proves that no two ranks of a
+host share a GPU before NCCL is touched. Everything else in ddpgraph relies on that binding.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+
+import torch
+import torch.distributed as dist
+
+from ._log import configure_logging
+from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
+
+__all__ = ["Runtime", "check_unique_devices", "get_runtime", "init", "shutdown"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """The launcher's view of this process, validated."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    launched: bool  # False: no launcher, a single process of world size 1
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This process's place in the job. Returned by :func:`init`; a context manager that shuts down."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+    timeout: timedelta
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        shutdown()
+
+
+@dataclass
+class _State:
+    runtime: Runtime
+    requested: tuple[str | None, timedelta]
+    owns_group: bool
+
+
+_state: _State | None = None
+_init_count = 0
+
+
+def get_runtime() -> Runtime | None:
+    """The :class:`Runtime` of the current :func:`init`, or None before it / after :func:`shutdown`."""
+    return _state.runtime if _state is not None else None
+
+
+def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+    """Set up this rank: process group, device binding, device-uniqueness check. Call on every rank.
+
+    Reads torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT``; with none of them this is a single process of world size
+    1 whose collectives still work. ``backend`` defaults to ``"nccl"`` where CUDA is present and
+    ``"gloo"`` otherwise. On CUDA the rank is bound to ``cuda:LOCAL_RANK`` before any CUDA work, and
+    the ranks exchange GPU UUIDs through the rendezvous store so that two ranks of one host on one
+    GPU raise :class:`DeviceConflictError` on every rank instead of hanging inside NCCL.
+
+    A repeated call with the same arguments returns the same :class:`Runtime`; one with other
+    arguments raises :class:`DistributedStateError`. If the application already created the default
+    process group, ``init`` adopts it (and leaves it to the application to destroy).
+    """
+    global _state
+    requested = (backend, _as_timedelta(timeout))
+    if _state is not None:
+        if _state.requested != requested:
+            raise DistributedStateError(
+                f"ddpgraph.init() was already called with backend={_state.requested[0]!r}, "
+                f"timeout={_state.requested[1]}; this call asks backend={backend!r}, "
+                f"timeout={requested[1]}. Call ddpgraph.shutdown() first, or pass the same arguments."
+            )
+        return _state.runtime
+    if dist.is_available() and dist.is_initialized():
+        _state = _State(_adopt_group(requested[1]), requested, owns_group=False)
+    else:
+        _state = _State(_new_group(backend, requested[1]), requested, owns_group=True)
+    configure_logging(_state.runtime.rank)
+    return _state.runtime
+
+
+def shutdown() -> None:
+    """Destroy the process group that :func:`init` made (call on every rank); harmless if none."""
+    global _state
+    state, _state = _state, None
+    if state is not None and state.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Validate the launcher variables; raise :class:`ConfigError` naming the bad one and the fix."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
+    for name in ("RANK", "WORLD_SIZE"):
+        if name not in env:
+            other = "WORLD_SIZE" if name == "RANK" else "RANK"
+            raise ConfigError(
+                f"{other} is set but {name} is not; launch with torchrun, which sets both, "
+                "or unset both to run a single process."
+            )
+    world_size = _env_int(env, "WORLD_SIZE")
+    rank = _env_int(env, "RANK")
+    if world_size < 1:
+        raise ConfigError(f"WORLD_SIZE={world_size} must be at least 1.")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size}).")
+    if "LOCAL_RANK" not in env and world_size > 1:
+        raise ConfigError(
+            "LOCAL_RANK is not set, so the device of this rank is unknown; launch with torchrun "
+            "(or `ddpgraph launch`), which sets it, or set LOCAL_RANK yourself."
+        )
+    local_rank = _env_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+    local_world_size = (
+        _env_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
+    )
+    if not 1 <= local_world_size <= world_size:
+        raise ConfigError(
+            f"LOCAL_WORLD_SIZE={local_world_size} must be between 1 and WORLD_SIZE={world_size}."
+        )
+    if not 0 <= local_rank < local_world_size:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} is outside 0..{local_world_size - 1} "
+            f"(LOCAL_WORLD_SIZE={local_world_size})."
+        )
+    return LaunchEnv(rank, local_rank, world_size, local_world_size, launched=True)
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r} is not an integer; launch with torchrun, which sets it, "
+            f"or export {name} as a whole number."
+        ) from None
+
+
+def _as_timedelta(timeout: float | timedelta) -> timedelta:
+    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if value.total_seconds() <= 0:
+        raise ConfigError(f"timeout={timeout!r} must be positive (seconds or a timedelta).")
+    return value
+
+
+def resolve_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    name = backend.lower()
+    if name not in _BACKENDS:
+        raise ConfigError(f"backend={backend!r} is not supported; use one of {_BACKENDS} or None.")
+    if name == "nccl" and not torch.cuda.is_available():
+        raise ConfigError(
+            "backend='nccl' needs CUDA, but torch.cuda.is_available() is False; "
+            "use backend='gloo' (or None, which picks gloo here)."
+        )
+    return name
+
+
+def bind_device(local_rank: int) -> torch.device:
+    """``cuda:local_rank`` made current (before any CUDA work), or the CPU where there is no CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={visible}); start at most {count} process(es) per node "
+            f"(torchrun --nproc-per-node={count})."
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def device_identity(device: torch.device) -> str | None:
+    """A host-unique name of the physical device (GPU UUID), or None for the CPU, which ranks share."""
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
+    global _init_count
+    launch = read_launch_env()
+    name = resolve_backend(backend)
+    device = bind_device(launch.local_rank)
+    if launch.launched:
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise ConfigError(f"{var} is not set; launch with torchrun, which sets it.")
+        store = _rendezvous(launch, timeout)
+    else:
+        store = dist.HashStore()
+    _init_count += 1
+    check_unique_devices(
+        store,
+        launch.rank,
+        launch.world_size,
+        device,
+        key=f"ddpgraph/{_restart_tag()}/init{_init_count}",
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        name,
+        store=store,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        timeout=timeout,
+        device_id=device if name == "nccl" else None,
+    )
+    return Runtime(
+        launch.rank,
+        launch.local_rank,
+        launch.world_size,
+        launch.local_world_size,
+        device,
+        name,
+        timeout,
+    )
+
+
+def _rendezvous(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+    try:
+        store, _, _ = next(
+            dist.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout)
+        )
+    except dist.DistError as exc:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise CollectiveTimeout(
+            f"rank {launch.rank}: the rendezvous at {where} did not complete within "
+            f"{timeout.total_seconds():g}s ({str(exc).splitlines()[0]}); start all "
+            f"{launch.world_size} ranks with the same MASTER_ADDR/MASTER_PORT, or raise timeout=."
+        ) from exc
+    return store
+
+
+def _adopt_group(timeout: timedelta) -> Runtime:
+    launch = read_launch_env()
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if launch.launched and (launch.rank, launch.world_size) != (rank, world_size):
+        raise ConfigError(
+            f"the existing process group has rank {rank} of {world_size}, but RANK={launch.rank} "
+            f"and WORLD_SIZE={launch.world_size}; create the group from the same environment."
+        )
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    return Runtime(
+        rank,
+        launch.local_rank,
+        world_size,
+        launch.local_world_size,
+        device,
+        str(dist.get_backend()),
+        timeout,
+    )
+
+
+def _restart_tag() -> str:
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    return f"{run_id}/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def check_unique_devices(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    *,
+    key: str,
+    timeout: timedelta,
+) -> None:
+    """Raise :class:`DeviceConflictError` on every rank if two ranks of a host share a GPU.
+
+    Each rank appends ``rank, hostname, GPU UUID`` to one store key and waits until all have; the
+    store, not a collective, carries this so that a conflict is found before NCCL can hang on it.
+    Must be called by all ``world_size`` ranks with the same ``key``.
+    """
+    if world_size == 1:
+        return
+    identity = device_identity(device) or "-"
+    store.append(f"{key}/devices", f"{rank}\t{socket.gethostname()}\t{identity}\t{device}\n")
+    if store.add(f"{key}/arrived", 1) == world_size:
+        store.set(f"{key}/ready", "1")
+    try:
+        store.wait([f"{key}/ready"], timeout)
+    except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
+        seen = _parse_devices(store.get(f"{key}/devices"))
+        missing = sorted(set(range(world_size)) - set(seen))
+        raise CollectiveTimeout(
+            f"ranks {missing} did not reach ddpgraph.init within {timeout.total_seconds():g}s "
+            f"(ranks {sorted(seen)} did); start every rank, or raise timeout=."
+        ) from exc
+    raise_on_device_conflicts(_parse_devices(store.get(f"{key}/devices")))
+
+
+def _parse_devices(raw: bytes) -> dict[int, tuple[str, str, str]]:
+    entries: dict[int, tuple[str, str, str]] = {}
+    for line in raw.decode().splitlines():
+        rank, host, identity, device = line.split("\t")
+        entries[int(rank)] = (host, identity, device)
+    return entries
+
+
+def raise_on_device_conflicts(entries: Mapping[int, tuple[str, str, str]]) -> None:
+    """``entries``: rank -> (hostname, device identity or "-", device). Raise if any GPU is shared."""
+    users: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for rank, (host, identity, _) in sorted(entries.items()):
+        if identity != "-":
+            users[(host, identity)].append(rank)
+    clashes = [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
+    if not clashes:
+        return
+    parts = []
+    for (host, identity), ranks in clashes:
+        devices = sorted({entries[r][2] for r in ranks})
+        parts.append(
+            f"ranks {', '.join(map(str, ranks))} on host {host} all use {'/'.join(devices)} "
+            f"({identity})"
+        )
+    raise DeviceConflictError(
+        "; ".join(parts) + ". Each rank of a host needs its own GPU: call ddpgraph.init() or "
+        "torch.cuda.set_device(LOCAL_RANK) before any collective, and do not give two ranks "
+        "the same CUDA_VISIBLE_DEVICES."
+    )

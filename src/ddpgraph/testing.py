@@ -1,0 +1,235 @@
+"""Run a function on N local processes, as the ranks of one job, for tests (yours and ours).
+
+``run_distributed(fn, 2)`` starts two processes with torchrun's environment variables set, runs
+``fn`` inside ``ddpgraph.init()`` on each, and returns the ranks' results in rank order. A worker's
+exception comes back with its rank and traceback; a hang is killed at ``timeout``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.context import BaseContext
+from typing import Any
+
+__all__ = ["WorkerError", "WorkerTimeout", "run_distributed"]
+
+# Time the other workers get to finish on their own once one has failed; most then fail too,
+# and their errors are worth reporting, but a peer blocked in a collective must not stall the test.
+_FAILURE_GRACE_S = 3.0
+
+
+class WorkerError(RuntimeError):
+    """A worker raised. ``rank`` is the first rank that failed; ``errors`` maps every failed rank to
+    its exception (or None if it could not be sent back) and ``tracebacks`` to its formatted text."""
+
+    def __init__(
+        self, rank: int, errors: dict[int, BaseException | None], tracebacks: dict[int, str]
+    ) -> None:
+        self.rank = rank
+        self.errors = errors
+        self.tracebacks = tracebacks
+        others = sorted(set(errors) - {rank})
+        also = f" (ranks {others} failed too)" if others else ""
+        super().__init__(f"rank {rank} raised{also}:\n{tracebacks[rank]}")
+
+
+class WorkerTimeout(TimeoutError):
+    """Some workers did not finish within the timeout; all workers were killed."""
+
+    def __init__(self, pending: list[int], timeout: float) -> None:
+        self.pending = pending
+        super().__init__(
+            f"ranks {pending} did not finish within {timeout:g}s; all workers were killed"
+        )
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    rank: int
+    ok: bool
+    value: Any = None  # the result, or the exception if it pickles
+    text: str = ""  # the formatted traceback on failure
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    backend: str = "gloo",
+    timeout: float = 120.0,
+    args: Sequence[Any] = (),
+    init: bool = True,
+    env: Mapping[str, str] | None = None,
+    return_exceptions: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` local processes and return the results by rank.
+
+    ``fn`` must be a module-level function and its results picklable. With ``init=True`` each
+    worker runs ``fn`` inside ``ddpgraph.init(backend=backend)``; with ``init=False`` it only gets
+    the launcher environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) plus ``env``, which overrides per-job values.
+
+    If a worker raises, the others get a short grace period and are then killed, and
+    :class:`WorkerError` names the first rank that failed, with its traceback. With
+    ``return_exceptions=True`` the call waits for every worker and returns each failed rank's
+    exception in its slot instead (useful to assert that *every* rank raised). If the workers are
+    not all done within ``timeout`` seconds, all are killed and :class:`WorkerTimeout` names the
+    ranks still running.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    if timeout <= 0:
+        raise ValueError(f"timeout={timeout} must be positive")
+    ctx = _context()
+    results: mp.Queue[_Outcome] = ctx.Queue()  # type: ignore[assignment]
+    base_env = _launcher_env(world_size, env)
+    procs = [
+        ctx.Process(  # type: ignore[attr-defined]
+            target=_worker,
+            args=(fn, tuple(args), rank, base_env, backend, init, results),
+            name=f"ddpgraph-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        outcomes = _collect(procs, results, timeout, wait_all=return_exceptions)
+    finally:
+        _kill(procs)
+    failed = {o.rank: o for o in outcomes.values() if not o.ok}
+    if failed and not return_exceptions:
+        first = next(iter(failed))  # dicts keep arrival order: the root cause came first
+        raise WorkerError(
+            first,
+            {r: o.value for r, o in failed.items()},
+            {r: o.text for r, o in failed.items()},
+        )
+    return [outcomes[rank].value for rank in range(world_size)]
+
+
+def _context() -> BaseContext:
+    # forkserver with torch preloaded starts each worker in a fraction of spawn's time and, unlike
+    # fork, never inherits a CUDA context or the parent's threads.
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _launcher_env(world_size: int, extra: Mapping[str, str] | None) -> dict[str, str]:
+    env = {
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.update(extra or {})
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    rank: int,
+    base_env: dict[str, str],
+    backend: str,
+    init: bool,
+    results: mp.Queue[_Outcome],
+) -> None:
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
+    os.environ.update(base_env)  # a caller's env may override RANK / LOCAL_RANK on purpose
+    try:
+        if init:
+            import ddpgraph
+
+            with ddpgraph.init(backend=backend):
+                value = fn(*args)
+        else:
+            value = fn(*args)
+        results.put(_Outcome(rank, True, value))
+    except BaseException as exc:
+        text = traceback.format_exc()
+        results.put(_Outcome(rank, False, exc if _picklable(exc) else None, text))
+
+
+def _picklable(obj: object) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(obj))
+    except Exception:
+        return False
+    return True
+
+
+def _collect(
+    procs: list[Any], results: mp.Queue[_Outcome], timeout: float, *, wait_all: bool
+) -> dict[int, _Outcome]:
+    outcomes: dict[int, _Outcome] = {}
+    deadline = time.monotonic() + timeout
+    while len(outcomes) < len(procs):
+        now = time.monotonic()
+        if now >= deadline:
+            if any(not o.ok for o in outcomes.values()):
+                break  # the peers of a failed rank are stuck; report the failure, not the hang
+            pending = [r for r in range(len(procs)) if r not in outcomes]
+            raise WorkerTimeout(pending, timeout)
+        try:
+            outcome = results.get(timeout=min(0.2, deadline - now))
+        except queue.Empty:
+            _note_silent_deaths(procs, results, outcomes)
+            continue
+        outcomes[outcome.rank] = outcome
+        if not outcome.ok and not wait_all:
+            deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
+    return outcomes
+
+
+def _note_silent_deaths(
+    procs: list[Any], results: mp.Queue[_Outcome], outcomes: dict[int, _Outcome]
+) -> None:
+    """A worker killed by a signal or os._exit sends nothing: record it as a failure."""
+    dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+    if not dead:
+        return
+    # A worker that put its result just before exiting may still have it in the pipe.
+    try:
+        while True:
+            outcome = results.get(timeout=1.0)
+            outcomes[outcome.rank] = outcome
+    except queue.Empty:
+        pass
+    for rank in dead:
+        if rank not in outcomes:
+            code = procs[rank].exitcode
+            outcomes[rank] = _Outcome(
+                rank, False, None, f"rank {rank} exited with code {code} without a result"
+            )
+
+
+def _kill(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

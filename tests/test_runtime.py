@@ -1,0 +1,199 @@
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+
+import ddpgraph
+from ddpgraph import ConfigError, DeviceConflictError, DistributedStateError
+from ddpgraph.errors import CollectiveTimeout
+from ddpgraph.runtime import raise_on_device_conflicts, read_launch_env
+from ddpgraph.testing import WorkerError, run_distributed
+
+from . import workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_single_process_without_launcher_has_working_collectives():
+    rt = ddpgraph.init()
+    assert (rt.rank, rt.world_size, rt.local_rank, rt.local_world_size) == (0, 1, 0, 1)
+    assert rt.is_main and rt.backend == "gloo" and rt.device == torch.device("cpu")
+    t = torch.ones(3)
+    torch.distributed.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_context_manager_shuts_down():
+    with ddpgraph.init() as rt:
+        assert ddpgraph.get_runtime() is rt
+        assert torch.distributed.is_initialized()
+    assert ddpgraph.get_runtime() is None
+    assert not torch.distributed.is_initialized()
+
+
+def test_repeated_identical_init_is_harmless_and_other_arguments_raise():
+    first = ddpgraph.init(timeout=30)
+    assert ddpgraph.init(timeout=timedelta(seconds=30)) is first
+    with pytest.raises(DistributedStateError, match=r"already called.*timeout=0:00:30.*shutdown"):
+        ddpgraph.init(timeout=31)
+    ddpgraph.shutdown()
+    ddpgraph.shutdown()  # idempotent
+    assert ddpgraph.init(timeout=31).world_size == 1
+
+
+def test_adopts_a_group_the_application_made():
+    torch.distributed.init_process_group(
+        "gloo", store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+    try:
+        rt = ddpgraph.init()
+        assert rt.world_size == 1 and rt.backend == "gloo"
+        ddpgraph.shutdown()
+        assert torch.distributed.is_initialized(), "a group ddpgraph did not make stays alive"
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+        ({"WORLD_SIZE": "2"}, "WORLD_SIZE is set but RANK is not"),
+        ({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK='x' is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, "WORLD_SIZE='two'"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"RANK=2 is outside 0\.\.1"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
+        ({"RANK": "1", "WORLD_SIZE": "2"}, "LOCAL_RANK is not set"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "1.5"}, "LOCAL_RANK='1.5'"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            r"LOCAL_RANK=2 is outside 0\.\.1",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "3"},
+            "LOCAL_WORLD_SIZE=3 must be between 1 and WORLD_SIZE=2",
+        ),
+    ],
+)
+def test_bad_launcher_environment_is_named(env, message):
+    with pytest.raises(ConfigError, match=message):
+        read_launch_env(env)
+
+
+def test_bad_environment_raises_from_init(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='abc' is not an integer"):
+        ddpgraph.init()
+    assert ddpgraph.get_runtime() is None
+
+
+def test_bad_arguments():
+    with pytest.raises(ConfigError, match="backend='mpi' is not supported"):
+        ddpgraph.init(backend="mpi")
+    with pytest.raises(ConfigError, match="timeout=0 must be positive"):
+        ddpgraph.init(timeout=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_nccl_without_cuda_is_refused():
+    with pytest.raises(ConfigError, match="backend='nccl' needs CUDA"):
+        ddpgraph.init(backend="nccl")
+
+
+def test_local_rank_beyond_device_count(monkeypatch):
+    from ddpgraph import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(
+        ConfigError, match=r"LOCAL_RANK=3 but only 2 CUDA device\(s\).*--nproc-per-node=2"
+    ):
+        runtime.bind_device(3)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_runtime_on_gloo(world_size):
+    facts = run_distributed(workers.runtime_facts, world_size, timeout=60)
+    expected_sum = world_size * (world_size + 1) / 2
+    for rank, f in enumerate(facts):
+        assert f == {
+            "rank": rank,
+            "local_rank": rank,
+            "world_size": world_size,
+            "local_world_size": world_size,
+            "backend": "gloo",
+            "device": "cpu",
+            "is_main": rank == 0,
+            "sum": expected_sum,
+        }
+
+
+def test_device_conflict_raises_on_every_rank_naming_ranks_and_device():
+    uuids = ["GPU-aaaa", "GPU-bbbb", "GPU-aaaa"]
+    results = run_distributed(
+        workers.init_with_fake_uuids,
+        3,
+        args=(uuids,),
+        init=False,
+        timeout=60,
+        return_exceptions=True,
+    )
+    for exc in results:
+        assert isinstance(exc, DeviceConflictError), exc
+        message = str(exc)
+        assert "ranks 0, 2" in message and "GPU-aaaa" in message
+        assert "torch.cuda.set_device(LOCAL_RANK)" in message
+        assert "1" not in message.split("GPU-aaaa")[0].replace("ranks 0, 2", "")
+
+
+def test_distinct_devices_pass_the_conflict_check():
+    results = run_distributed(
+        workers.init_with_fake_uuids, 2, args=(["GPU-a", "GPU-b"],), init=False, timeout=60
+    )
+    assert results == [None, None]
+
+
+def test_conflict_check_is_per_host():
+    entries = {
+        0: ("h1", "GPU-a", "cuda:0"),
+        1: ("h2", "GPU-a", "cuda:0"),
+        2: ("h1", "-", "cpu"),
+        3: ("h1", "-", "cpu"),
+    }
+    raise_on_device_conflicts(entries)  # same UUID on two hosts, CPU ranks sharing: both fine
+    entries[3] = ("h2", "GPU-a", "cuda:1")
+    with pytest.raises(DeviceConflictError, match=r"ranks 1, 3 on host h2 all use cuda:0/cuda:1"):
+        raise_on_device_conflicts(entries)
+
+
+def test_a_rank_that_never_arrives_times_out_clearly():
+    results = run_distributed(
+        workers.init_skipped_on_rank1,
+        2,
+        args=(2.0,),
+        init=False,
+        timeout=40,
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], CollectiveTimeout), results[0]
+    assert "rendezvous at 127.0.0.1:" in str(results[0]) and "1/2 clients joined" in str(results[0])
+
+
+def test_device_check_names_the_ranks_that_never_arrived():
+    from ddpgraph.runtime import check_unique_devices
+
+    store = torch.distributed.HashStore()
+    with pytest.raises(CollectiveTimeout, match=r"ranks \[1, 2\] did not reach ddpgraph.init"):
+        check_unique_devices(
+            store, 0, 3, torch.device("cpu"), key="k", timeout=timedelta(seconds=1)
+        )
+
+
+def test_worker_error_carries_rank_and_traceback():
+    with pytest.raises(WorkerError, match=r"rank 1 raised") as info:
+        run_distributed(workers.fail_on_rank, 2, args=(1,), timeout=60)
+    assert isinstance(info.value.errors[1], KeyError)
+    assert "boom on 1" in info.value.tracebacks[1] and "fail_on_rank" in info.value.tracebacks[1]

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ddpgraph.testing import WorkerError, WorkerTimeout, run_distributed
+
+from . import workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_results_come_back_in_rank_order():
+    assert run_distributed(workers.return_rank, 3, init=False, timeout=60) == [0, 1, 2]
+
+
+def test_failing_rank_is_reported_even_while_peers_block():
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match="rank 0 raised") as info:
+        run_distributed(workers.fail_then_peers_block, 2, args=(0,), timeout=60)
+    assert "rank failed before the collective" in info.value.tracebacks[0]
+    assert time.monotonic() - start < 30, "a blocked peer must not stall the report until timeout"
+
+
+def test_hanging_rank_is_killed_at_timeout_and_named():
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout, match=r"ranks \[1\] did not finish within 3s") as info:
+        run_distributed(workers.hang_on_rank, 2, args=(1,), init=False, timeout=3)
+    assert info.value.pending == [1]
+    assert time.monotonic() - start < 20
+
+
+def test_return_exceptions_keeps_every_rank():
+    results = run_distributed(
+        workers.fail_on_rank, 2, args=(0,), init=False, timeout=60, return_exceptions=True
+    )
+    assert isinstance(results[0], KeyError) and results[1] == 1
+
+
+def test_a_worker_that_dies_without_a_result_is_reported():
+    with pytest.raises(WorkerError, match="exited with code 3"):
+        run_distributed(workers.exit_abruptly, 2, init=False, timeout=60)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="world_size=0"):
+        run_distributed(workers.return_rank, 0)
+    with pytest.raises(ValueError, match="timeout=0"):
+        run_distributed(workers.return_rank, 1, timeout=0)

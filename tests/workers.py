@@ -1,0 +1,76 @@
+"""Module-level worker functions for run_distributed (they must be importable by the workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import ddpgraph
+
+
+def runtime_facts() -> dict:
+    rt = ddpgraph.get_runtime()
+    assert rt is not None
+    t = torch.tensor([float(rt.rank + 1)])
+    dist.all_reduce(t)
+    return {
+        "rank": rt.rank,
+        "local_rank": rt.local_rank,
+        "world_size": rt.world_size,
+        "local_world_size": rt.local_world_size,
+        "backend": rt.backend,
+        "device": str(rt.device),
+        "is_main": rt.is_main,
+        "sum": t.item(),
+    }
+
+
+def init_with_fake_uuids(uuids: list[str]) -> None:
+    """ddpgraph.init with each rank's device identity replaced by uuids[rank] (CI has no GPU)."""
+    from ddpgraph import runtime
+
+    rank = int(os.environ["RANK"])
+    runtime.device_identity = lambda device: uuids[rank]  # type: ignore[assignment]
+    ddpgraph.init(backend="gloo")
+
+
+def init_only() -> str:
+    rt = ddpgraph.init(backend="gloo")
+    return str(rt)
+
+
+def init_skipped_on_rank1(timeout: float) -> None:
+    if int(os.environ["RANK"]) == 1:
+        time.sleep(timeout + 10)
+    ddpgraph.init(backend="gloo", timeout=timeout)
+
+
+def return_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def fail_on_rank(bad: int) -> int:
+    rank = int(os.environ["RANK"])
+    if rank == bad:
+        raise KeyError(f"boom on {rank}")
+    return rank
+
+
+def fail_then_peers_block(bad: int) -> None:
+    if dist.get_rank() == bad:
+        raise ValueError("rank failed before the collective")
+    dist.barrier()
+
+
+def hang_on_rank(bad: int) -> int:
+    rank = int(os.environ["RANK"])
+    if rank == bad:
+        time.sleep(3600)
+    return rank
+
+
+def exit_abruptly() -> None:
+    os._exit(3)
