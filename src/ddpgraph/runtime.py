@@ -318,7 +318,8 @@ def check_unique_devices(
     if world_size == 1:
         return
     identity = device_identity(device) or "-"
-    store.append(f"{key}/devices", f"{rank}\t{socket.gethostname()}\t{identity}\t{device}\n")
+    entry = f"{rank}\t{socket.gethostname()}\t{identity}\t{device}\n"
+    store.append(f"{key}/devices", entry)  # type: ignore[attr-defined]  # missing from the stubs
     if store.add(f"{key}/arrived", 1) == world_size:
         store.set(f"{key}/ready", "1")
     try:

@@ -15,7 +15,6 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing.context import BaseContext
 from typing import Any
 
 __all__ = ["WorkerError", "WorkerTimeout", "run_distributed"]
@@ -88,10 +87,10 @@ def run_distributed(
     if timeout <= 0:
         raise ValueError(f"timeout={timeout} must be positive")
     ctx = _context()
-    results: mp.Queue[_Outcome] = ctx.Queue()  # type: ignore[assignment]
+    results: mp.Queue[_Outcome] = ctx.Queue()
     base_env = _launcher_env(world_size, env)
     procs = [
-        ctx.Process(  # type: ignore[attr-defined]
+        ctx.Process(
             target=_worker,
             args=(fn, tuple(args), rank, base_env, backend, init, results),
             name=f"ddpgraph-rank{rank}",
@@ -116,7 +115,7 @@ def run_distributed(
     return [outcomes[rank].value for rank in range(world_size)]
 
 
-def _context() -> BaseContext:
+def _context() -> Any:  # a ForkServerContext or SpawnContext
     # forkserver with torch preloaded starts each worker in a fraction of spawn's time and, unlike
     # fork, never inherits a CUDA context or the parent's threads.
     if "forkserver" in mp.get_all_start_methods():
