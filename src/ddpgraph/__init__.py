@@ -14,6 +14,7 @@ from .errors import (
     ObjectCollectiveError,
 )
 from .runtime import Runtime, get_runtime, init, shutdown
+from .step import StepReport, TrainStep
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,8 @@ __all__ = [
     "DistributedStateError",
     "ObjectCollectiveError",
     "Runtime",
+    "StepReport",
+    "TrainStep",
     "__version__",
     "get_runtime",
     "init",

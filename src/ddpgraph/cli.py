@@ -55,5 +55,29 @@ def train(
     raise SystemExit(launch_training(config, nproc=nproc))
 
 
+@cli.command()
+@click.option(
+    "--config",
+    "configs",
+    type=click.Choice(["mlp", "transformer", "resnet50"]),
+    multiple=True,
+    help="Configs to run [default: all].",
+)
+@click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("benchmarks/results/bench.json"),
+    show_default=True,
+)
+def bench(configs: tuple[str, ...], steps: int, repeats: int, quick: bool, out: Path) -> None:
+    """Eager DDP vs TrainStep (whole-step graph), same run; JSON with versions and commit."""
+    from .bench import CONFIGS, run_bench
+
+    run_bench(list(configs) or list(CONFIGS), steps=steps, repeats=repeats, quick=quick, out=out)
+
+
 def main() -> None:
     cli()

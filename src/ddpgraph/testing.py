@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -53,8 +54,11 @@ class WorkerTimeout(TimeoutError):
 class _Outcome:
     rank: int
     ok: bool
-    value: Any = None  # the result, or the exception if it pickles
+    # The pickled result or exception. Plain pickle, not the queue's own: torch's reducers would
+    # send tensors as shared-memory handles, which die with the worker before the parent reads.
+    value: bytes | None = None
     text: str = ""  # the formatted traceback on failure
+    failed_at: float = 0.0  # wall-clock time of the failure, to find the first one
 
 
 def run_distributed(
@@ -106,13 +110,17 @@ def run_distributed(
         _kill(procs)
     failed = {o.rank: o for o in outcomes.values() if not o.ok}
     if failed and not return_exceptions:
-        first = next(iter(failed))  # dicts keep arrival order: the root cause came first
+        first = min(failed.values(), key=lambda o: o.failed_at).rank  # the root cause
         raise WorkerError(
             first,
-            {r: o.value for r, o in failed.items()},
+            {r: _loads(o.value) for r, o in failed.items()},
             {r: o.text for r, o in failed.items()},
         )
-    return [outcomes[rank].value for rank in range(world_size)]
+    return [_loads(outcomes[rank].value) for rank in range(world_size)]
+
+
+def _loads(payload: bytes | None) -> Any:
+    return None if payload is None else pickle.loads(payload)
 
 
 def _context() -> Any:  # a ForkServerContext or SpawnContext
@@ -159,23 +167,33 @@ def _worker(
             import ddpgraph
 
             with ddpgraph.init(backend=backend):
-                value = fn(*args)
+                # report inside the group: its shutdown makes blocked peers fail, and their
+                # errors must not look like the first one
+                results.put(_run(fn, args, rank))
         else:
-            value = fn(*args)
-        results.put(_Outcome(rank, True, value))
-    except BaseException as exc:
-        text = traceback.format_exc()
-        results.put(_Outcome(rank, False, exc if _picklable(exc) else None, text))
+            results.put(_run(fn, args, rank))
+    except BaseException as exc:  # init itself failed
+        results.put(_failure(rank, exc))
 
 
-def _picklable(obj: object) -> bool:
-    import pickle
-
+def _run(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> _Outcome:
     try:
-        pickle.loads(pickle.dumps(obj))
+        return _Outcome(rank, True, pickle.dumps(fn(*args)))
+    except BaseException as exc:
+        return _failure(rank, exc)
+
+
+def _failure(rank: int, exc: BaseException) -> _Outcome:
+    return _Outcome(rank, False, _dumps_or_none(exc), traceback.format_exc(), time.time())
+
+
+def _dumps_or_none(obj: object) -> bytes | None:
+    try:
+        payload = pickle.dumps(obj)
+        pickle.loads(payload)
     except Exception:
-        return False
-    return True
+        return None
+    return payload
 
 
 def _collect(
@@ -219,7 +237,11 @@ def _note_silent_deaths(
         if rank not in outcomes:
             code = procs[rank].exitcode
             outcomes[rank] = _Outcome(
-                rank, False, None, f"rank {rank} exited with code {code} without a result"
+                rank,
+                False,
+                None,
+                f"rank {rank} exited with code {code} without a result",
+                time.time(),
             )
 
 

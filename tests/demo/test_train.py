@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddpgraph.demo.data import NUM_CLASSES, SAMPLE_SHAPES, synthetic_patterns
+from ddpgraph.demo.models import build_model
+
+
+@pytest.mark.timeout(180)
+def test_train_end_to_end_on_two_cpu_ranks(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpgraph", "train", "--steps", "120", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ddpgraph train: mlp" in proc.stdout and "wrote" in proc.stdout
+    run = json.loads((out / "run.json").read_text())
+    assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1]
+    chance = 1 / NUM_CLASSES
+    for rank in run["ranks"]:
+        assert rank["device"] == "cpu" and rank["backend"] == "gloo"
+        assert rank["samples_seen"] == 120 * 64
+        curve = rank["loss_curve"]
+        assert curve[-1] < 0.5 * curve[0], curve
+        assert rank["accuracy"] > chance + 0.4, rank["accuracy"]
+    assert not list(out.glob("*.tmp")), "run.json is written atomically"
+
+
+def test_bad_cli_values_are_refused():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpgraph", "train", "--steps", "0"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "--steps" in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpgraph", "train", "--model", "vgg"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "'vgg' is not one of" in proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLE_SHAPES))
+def test_models_accept_their_data(name):
+    data = synthetic_patterns(SAMPLE_SHAPES[name], num_samples=8, seed=0)
+    x, y = data.tensors
+    assert build_model(name)(x).shape == (8, NUM_CLASSES)
+    assert y.dtype == torch.int64 and int(y.max()) < NUM_CLASSES
+
+
+def test_data_is_deterministic_and_splits_differ():
+    a = synthetic_patterns((4,), num_samples=16, seed=3).tensors[0]
+    b = synthetic_patterns((4,), num_samples=16, seed=3).tensors[0]
+    c = synthetic_patterns((4,), num_samples=16, seed=3, split="eval").tensors[0]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        synthetic_patterns((4,), num_samples=0, seed=0)

@@ -1,0 +1,225 @@
+"""Graphed TrainStep against eager DDP on one GPU: bitwise equal, guards, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ddpgraph import CaptureError, TrainStep
+from ddpgraph.demo.models import build_model
+from ddpgraph.optim import make_graph_safe
+
+pytestmark = pytest.mark.timeout(600)
+
+REPLAYS = 32
+
+
+def mlp() -> nn.Module:
+    return build_model("mlp")
+
+
+def resnet() -> nn.Module:
+    return build_model("resnet")  # BatchNorm buffers
+
+
+def transformer() -> nn.Module:
+    return build_model("transformer")  # dropout 0.1: graph-safe RNG must match eager
+
+
+SHAPES = {mlp: (64,), resnet: (3, 16, 16), transformer: (16, 32)}
+
+
+def make_batches(model_fn, n: int, batch: int = 32, *, sizes=None):
+    gen = torch.Generator(device="cuda").manual_seed(123)
+    sizes = sizes or [batch] * n
+    return [
+        (
+            torch.randn((b, *SHAPES[model_fn]), device="cuda", generator=gen),
+            torch.randint(10, (b,), device="cuda", generator=gen),
+        )
+        for b in sizes
+    ]
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def train(model_fn, opt_fn, batches, *, graph, schedule=False, reload_at=None, **kwargs):
+    torch.manual_seed(0)
+    model = model_fn().cuda()
+    opt = opt_fn(model.parameters())
+    if graph == "never":
+        make_graph_safe(opt, torch.device("cuda"))  # the same arithmetic as the graphed run
+    sched = (
+        torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=len(batches)) if schedule else None
+    )
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph, scheduler=sched, **kwargs)
+    torch.manual_seed(1)  # dropout's stream
+    losses, saved = [], None
+    for i, batch in enumerate(batches):
+        if reload_at is not None and i == reload_at[0]:
+            saved = copy.deepcopy(step.state_dict())
+        if reload_at is not None and i == reload_at[1]:
+            step.load_state_dict(saved)
+        losses.append(step(*batch).clone())
+        if sched is not None:
+            sched.step()
+    torch.cuda.synchronize()
+    return {
+        "losses": torch.stack(losses),
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "opt": [
+            (k, v.clone())
+            for s in opt.state.values()
+            for k, v in sorted(s.items())
+            if isinstance(v, torch.Tensor)
+        ],
+        "report": step.report(),
+        "step": step,
+    }
+
+
+def assert_bitwise(graphed, eager):
+    assert torch.equal(graphed["losses"], eager["losses"]), (graphed["losses"], eager["losses"])
+    for name, value in eager["state"].items():
+        assert torch.equal(graphed["state"][name], value), name
+    assert len(graphed["opt"]) == len(eager["opt"])
+    for (k1, a), (k2, b) in zip(graphed["opt"], eager["opt"]):
+        assert k1 == k2 and torch.equal(a, b), k1
+
+
+CASES = {
+    "mlp-sgd": (mlp, sgd, {}),
+    "mlp-adamw-cosine": (mlp, adamw, {"schedule": True}),
+    "resnet-bn-sgd-clip": (resnet, sgd, {"clip_grad_norm": 0.5}),
+    "transformer-dropout-adamw-bf16": (transformer, adamw, {"amp": "bf16"}),
+    "mlp-sgd-accumulate4": (mlp, sgd, {"accumulate": 4}),
+    "mlp-adamw-reload": (mlp, adamw, {"reload_at": (20, 30)}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_graphed_equals_eager_bitwise(rt, case):
+    model_fn, opt_fn, kwargs = CASES[case]
+    batches = make_batches(model_fn, 12 + 1 + REPLAYS)
+    graphed = train(model_fn, opt_fn, batches, graph="always", **kwargs)
+    eager = train(model_fn, opt_fn, batches, graph="never", **kwargs)
+    report = graphed["report"]
+    assert report.mode == "graphed" and len(report.captures) == 1, str(report)
+    assert report.replays == REPLAYS + 1 and report.warmup_steps == 12, str(report)
+    assert not report.fallbacks
+    assert_bitwise(graphed, eager)
+    assert graphed["losses"][-1] < graphed["losses"][0]
+
+
+def test_new_shape_captures_a_second_graph_in_the_same_pool(rt):
+    sizes = [32] * 13 + [16, 32] * 16
+    batches = make_batches(mlp, 0, sizes=sizes)
+    graphed = train(mlp, sgd, batches, graph="always", on_new_shape="capture")
+    eager = train(mlp, sgd, batches, graph="never")
+    assert len(graphed["report"].captures) == 2, str(graphed["report"])
+    assert graphed["report"].eager_steps == 12
+    assert_bitwise(graphed, eager)
+
+
+def test_new_shape_eager_and_error_policies(rt):
+    batches = make_batches(mlp, 0, sizes=[32] * 14 + [16])
+    eager_policy = train(mlp, sgd, batches, graph="always", on_new_shape="eager")
+    assert eager_policy["report"].eager_steps == 13 and eager_policy["report"].replays == 2
+    with pytest.raises(ValueError, match=r"on_new_shape='error'\) got a batch of \(16, 64\)"):
+        train(mlp, sgd, batches, graph="always", on_new_shape="error")
+
+
+def test_torchvision_resnet50_graphed_equals_eager(rt):
+    torchvision = pytest.importorskip("torchvision")
+
+    def resnet50():
+        return torchvision.models.resnet50(weights=None, num_classes=10)
+
+    SHAPES[resnet50] = (3, 64, 64)
+    batches = make_batches(resnet50, 12 + 1 + REPLAYS, batch=8)
+    graphed = train(resnet50, sgd, batches, graph="always")
+    eager = train(resnet50, sgd, batches, graph="never")
+    assert graphed["report"].mode == "graphed"
+    assert_bitwise(graphed, eager)
+
+
+def test_replaced_parameters_and_optimizer_state_are_caught(rt):
+    batches = make_batches(mlp, 14)
+    run = train(mlp, adamw, batches, graph="always")
+    step = run["step"]
+    param = next(step.model.parameters())
+    with torch.no_grad():
+        param.data = param.data.clone()
+    with pytest.raises(CaptureError, match=r"parameter 0 .* was replaced since capture"):
+        step(*batches[0])
+
+    run = train(mlp, adamw, batches, graph="always")
+    step = run["step"]
+    step.optimizer.load_state_dict(copy.deepcopy(step.optimizer.state_dict()))
+    with pytest.raises(CaptureError, match=r"use step\.load_state_dict"):
+        step(*batches[0])
+
+
+def sync_in_loss(output, target):
+    loss = nn.functional.cross_entropy(output, target)
+    if loss.item() > 1e9:  # a host sync, the classic capture breaker
+        print("diverged")
+    return loss
+
+
+def synchronize_in_loss(output, target):
+    torch.cuda.synchronize()  # not a tensor op: passes the sync check, fails the capture
+    return nn.functional.cross_entropy(output, target)
+
+
+def run_with_loss(loss_fn, batches, graph):
+    torch.manual_seed(0)
+    model = mlp().cuda()
+    opt = sgd(model.parameters())
+    if graph == "never":
+        make_graph_safe(opt, torch.device("cuda"))
+    step = TrainStep(model, opt, loss_fn, graph=graph)
+    for batch in batches:
+        step(*batch)
+    torch.cuda.synchronize()
+    return step, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_host_sync_is_found_before_capture_with_the_user_line(rt):
+    batches = make_batches(mlp, 16)
+    with pytest.warns(
+        UserWarning, match=r"host sync inside the step .*test_step_gpu.py:\d+ `if loss.item"
+    ):
+        step, state = run_with_loss(sync_in_loss, batches, "auto")
+    assert step.mode == "eager" and step.report().replays == 0
+    _, reference = run_with_loss(sync_in_loss, batches, "never")
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+    with pytest.raises(CaptureError, match="host sync inside the step"):
+        run_with_loss(sync_in_loss, batches, "always")
+
+
+def test_failed_capture_warns_with_the_first_error_and_leaves_state_unchanged(rt):
+    batches = make_batches(mlp, 16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step, state = run_with_loss(synchronize_in_loss, batches, "auto")
+    messages = [str(w.message) for w in caught if "capture failed" in str(w.message)]
+    assert messages, [str(w.message) for w in caught]
+    assert "previous error" not in messages[0]
+    assert step.mode == "eager"
+    _, reference = run_with_loss(synchronize_in_loss, batches, "never")
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+    with pytest.raises(CaptureError, match="capture failed"):
+        run_with_loss(synchronize_in_loss, batches, "always")

@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from ddpgraph import CaptureError, ConfigError, TrainStep
+from ddpgraph.optim import make_graph_safe
+from ddpgraph.step import ddp_count_allows_capture
+from ddpgraph.testing import run_distributed
+
+from . import step_workers
+from .step_workers import batches, make_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def manual_steps(model, opt, data, *, clip=None):
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in data:
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+
+
+def params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_eager_step_matches_a_hand_written_loop_bitwise():
+    data = batches(5, 8)
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), data)
+    model = make_model()
+    step = TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss()
+    )
+    for x, y in data:
+        loss = step(x, y)
+        assert loss.dim() == 0
+    assert step.mode == "eager" and step.model is model  # no process group: no DDP
+    for a, b in zip(params(ref), params(model)):
+        assert torch.equal(a, b)
+    report = step.report()
+    assert report.steps == 5 and report.eager_steps == 5 and report.replays == 0
+    assert "not CUDA" in report.fallbacks[0]
+
+
+def test_clipping_matches_clip_grad_norm():
+    data = batches(3, 8)
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.5), data, clip=0.01)
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        nn.CrossEntropyLoss(),
+        clip_grad_norm=0.01,
+    )
+    for x, y in data:
+        step(x, y)
+    for a, b in zip(params(ref), params(model)):
+        torch.testing.assert_close(a, b)
+    unclipped = make_model()
+    manual_steps(unclipped, torch.optim.SGD(unclipped.parameters(), lr=0.5), data)
+    assert not torch.allclose(params(unclipped)[0], params(model)[0])
+
+
+def test_accumulation_equals_the_full_batch():
+    data = batches(3, 8)
+    full, accum = make_model(), make_model()
+    s_full = TrainStep(full, torch.optim.SGD(full.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    s_acc = TrainStep(
+        accum, torch.optim.SGD(accum.parameters(), lr=0.1), nn.CrossEntropyLoss(), accumulate=4
+    )
+    for x, y in data:
+        torch.testing.assert_close(s_full(x, y), s_acc(x, y))
+    for a, b in zip(params(full), params(accum)):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match=r"accumulate=4 splits.*\(6, 8\).*divisible by 4"):
+        s_acc(torch.randn(6, 8), torch.randint(4, (6,)))
+
+
+def test_lr_schedule_is_followed():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.0 if i >= 1 else 1.0)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), scheduler=sched)
+    ((x, y),) = batches(1, 8)
+    step(x, y)
+    sched.step()
+    before = params(model)
+    step(x, y)  # lr is 0 now: nothing moves
+    for a, b in zip(before, params(model)):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_round_trip_resumes_exactly():
+    data = batches(10, 8)
+
+    def fresh():
+        model = make_model()
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return model, opt, sched, TrainStep(model, opt, nn.CrossEntropyLoss(), scheduler=sched)
+
+    model, _, sched, step = fresh()
+    for x, y in data[:5]:
+        step(x, y)
+        sched.step()
+    saved = copy.deepcopy(step.state_dict())  # as torch.save would freeze it
+    for x, y in data[5:]:
+        step(x, y)
+        sched.step()
+    model2, opt2, sched2, step2 = fresh()
+    step2(*data[0])  # create state, which load_state_dict must copy into, not replace
+    exp_avg_before = opt2.state[next(iter(model2.parameters()))]["exp_avg"]
+    step2.load_state_dict(saved)
+    assert opt2.state[next(iter(model2.parameters()))]["exp_avg"] is exp_avg_before
+    assert sched2.last_epoch == 5 and step2.report().steps == 5
+    for x, y in data[5:]:
+        step2(x, y)
+        sched2.step()
+    for a, b in zip(params(model), params(model2)):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match=r"lacks \['optimizer'\]"):
+        step2.load_state_dict({"model": saved["model"]})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"graph": "sometimes"}, "graph='sometimes' must be one of"),
+        ({"amp": "fp16"}, "amp='fp16' is not supported; use amp='bf16'"),
+        ({"accumulate": 0}, "accumulate=0 must be an integer >= 1"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0 must be positive"),
+        ({"on_new_shape": "pad"}, "on_new_shape='pad' must be one of"),
+        ({"warmup": 0}, "warmup=0 must be an integer >= 1"),
+    ],
+)
+def test_bad_options_fail_at_construction(kwargs, message):
+    model = make_model()
+    with pytest.raises(ConfigError, match=message):
+        TrainStep(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), **kwargs
+        )
+
+
+def test_bad_calls_are_named():
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: out - 1)
+    with pytest.raises(ValueError, match=r"got 1 tensor\(s\); call step\(\*inputs, target\)"):
+        step(torch.randn(2, 8))
+    with pytest.raises(TypeError, match="batch element 1 is a list"):
+        step(torch.randn(2, 8), [1, 2])
+    with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor, got \(2, 4\)"):
+        step(torch.randn(2, 8), torch.zeros(2))
+
+
+def test_graph_always_without_cuda_and_ddp_input_are_refused():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(CaptureError, match=r"graph='always'\) cannot capture: the model is on cpu"):
+        TrainStep(model, opt, nn.CrossEntropyLoss(), graph="always")
+    with pytest.raises(ConfigError, match="not callable"):
+        TrainStep(model, opt, "mse")
+
+
+def test_ddp_warmup_rule():
+    assert [n for n in range(0, 205) if ddp_count_allows_capture(n)][:3] == [11, 12, 13]
+    assert not ddp_count_allows_capture(100) and not ddp_count_allows_capture(200)
+    assert ddp_count_allows_capture(101)
+
+
+@pytest.mark.parametrize(("requested", "planned"), [(None, 12), (1, 12), (30, 30), (100, 102)])
+def test_warmup_is_raised_to_a_capturable_count(requested, planned):
+    model = make_model()
+    step = TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), warmup=requested
+    )
+    assert step._warmup == planned
+
+
+def test_optimizers_are_made_graph_safe_or_refused():
+    model = make_model()
+    adam = torch.optim.AdamW(model.parameters(), lr=0.01)
+    plan = make_graph_safe(adam, torch.device("cpu"))
+    assert adam.param_groups[0]["capturable"] is True
+    assert isinstance(adam.param_groups[0]["lr"], torch.Tensor)
+    adam.param_groups[0]["lr"] = 0.5  # what an old-style scheduler does
+    plan.sync_lr()
+    assert adam.param_groups[0]["lr"] is plan.lr_tensors[0]
+    assert float(plan.lr_tensors[0]) == 0.5
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert "fused=True" in make_graph_safe(sgd, torch.device("cpu")).changes
+    with pytest.raises(CaptureError, match="LBFGS cannot be stepped inside a CUDA graph"):
+        make_graph_safe(torch.optim.LBFGS(model.parameters()), torch.device("cpu"))
+
+
+def test_ddp_over_gloo_with_two_ranks_matches_one_process():
+    results = run_distributed(step_workers.ddp_train, 2, args=(6,), timeout=90)
+    assert results[0]["is_ddp"] == "DistributedDataParallel"
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b), "DDP ranks must hold identical parameters"
+    single = make_model()
+    manual_steps(single, torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9), batches(6, 8))
+    for a, b in zip(results[0]["params"], params(single)):
+        torch.testing.assert_close(a, b)
