@@ -96,7 +96,7 @@ def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoa
     data: TensorDataset = synthetic_patterns(
         SAMPLE_SHAPES[config.model], num_samples=size, seed=config.seed, split=split
     )
-    sampler = DistributedSampler(
+    sampler: DistributedSampler[Any] = DistributedSampler(
         data,
         num_replicas=rt.world_size,
         rank=rt.rank,
