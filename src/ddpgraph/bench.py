@@ -117,10 +117,21 @@ def _summary(times: list[float]) -> dict[str, float]:
     }
 
 
+def _fresh_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def _eager_ddp(cfg: BenchConfig, device: torch.device, batches: list, steps: int) -> dict[str, Any]:
     """The status quo: a hand-written DDP loop on the default stream."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    _fresh_memory(device)
     torch.manual_seed(0)
     model = cfg.build().to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
@@ -148,9 +159,8 @@ def _eager_ddp(cfg: BenchConfig, device: torch.device, batches: list, steps: int
 def _train_step(
     cfg: BenchConfig, device: torch.device, batches: list, steps: int
 ) -> dict[str, Any]:
+    _fresh_memory(device)
     torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     model = cfg.build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=cfg.amp)

@@ -118,7 +118,6 @@ def test_graphed_equals_eager_bitwise(rt, case):
     assert report.replays == REPLAYS + 1 and report.warmup_steps == 12, str(report)
     assert not report.fallbacks
     assert_bitwise(graphed, eager)
-    assert graphed["losses"][-1] < graphed["losses"][0]
 
 
 def test_new_shape_captures_a_second_graph_in_the_same_pool(rt):

@@ -206,13 +206,24 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     table = Table(title=f"ddpgraph train: {config.model}, {config.steps} steps")
-    for column in ("rank", "device", "mode", "samples", "final loss", "accuracy", "steps/s"):
+    columns = (
+        "rank",
+        "device",
+        "mode",
+        "first replay",
+        "samples",
+        "final loss",
+        "accuracy",
+        "steps/s",
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     for m in everyone:
         table.add_row(
             str(m["rank"]),
             m["device"],
             m["mode"],
+            "-" if m["time_to_first_replay_s"] is None else f"{m['time_to_first_replay_s']:.2f} s",
             str(m["samples_seen"]),
             f"{m['final_loss']:.4f}",
             f"{m['accuracy']:.1%}",
