@@ -7,6 +7,7 @@ step (on CPU, wall-clock), reported as median and p90 over ``steps`` steps after
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import statistics
@@ -85,27 +86,32 @@ def _batches(
 
 
 class _Timer:
+    """Per-step times as a training loop sees them: no sync between steps.
+
+    On CUDA an event is recorded between consecutive steps and all are read after one final
+    sync, so the host runs ahead as in real training and each delta is the step's share of the
+    GPU timeline (launch gaps included when the host cannot keep up). On CPU, wall-clock.
+    """
+
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.times: list[float] = []
 
     def run(self, fn: Callable[[], Any], steps: int) -> list[float]:
-        for _ in range(steps):
-            if self.cuda:
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                self.times.append(start.elapsed_time(end))
-            else:
+        if not self.cuda:
+            times = []
+            for _ in range(steps):
                 t0 = time.perf_counter()
                 fn()
-                self.times.append((time.perf_counter() - t0) * 1e3)
-        return self.times
+                times.append((time.perf_counter() - t0) * 1e3)
+            return times
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        torch.cuda.synchronize()
+        events[0].record()
+        for event in events[1:]:
+            fn()
+            event.record()
+        events[-1].synchronize()
+        return [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -152,7 +158,6 @@ def _eager_ddp(cfg: BenchConfig, device: torch.device, batches: list, steps: int
 
     timer = _Timer(device)
     timer.run(one, 12)
-    timer.times.clear()
     return _summary(timer.run(one, steps)) | _peak_memory(device)
 
 
@@ -173,7 +178,6 @@ def _train_step(
 
     timer = _Timer(device)
     timer.run(one, 14)  # warm-up, capture, first replays
-    timer.times.clear()
     result: dict[str, Any] = {**_summary(timer.run(one, steps)), **_peak_memory(device)}
     report = step.report()
     result["mode"] = report.mode
@@ -207,6 +211,10 @@ def environment() -> dict[str, Any]:
 
 
 def _git_commit() -> str:
+    import os
+
+    if os.environ.get("DDPGRAPH_COMMIT"):  # set where the tree travels without its .git
+        return os.environ["DDPGRAPH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
