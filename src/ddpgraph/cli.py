@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -53,6 +54,60 @@ def train(
         model=model, steps=steps, batch_size=batch_size, lr=lr, seed=seed, out=str(out)
     )
     raise SystemExit(launch_training(config, nproc=nproc))
+
+
+@cli.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format.",
+)
+def lint(files: tuple[Path, ...], fmt: str) -> None:
+    """Check scripts for the classic DDP / CUDA-graph / object-collective bugs (never runs them).
+
+    Exit status: 0 clean, 1 findings, 2 a file could not be read or parsed.
+    """
+    from .doctor.lint import RULES, lint_paths
+
+    findings, errors = lint_paths(files)
+    if fmt == "json":
+        payload = {
+            "findings": [f.to_dict() for f in findings],
+            "errors": [{"file": e.path, "message": str(e)} for e in errors],
+            "rules": {code: rule.summary for code, rule in RULES.items()},
+        }
+        click.echo(json.dumps(payload, indent=2))
+    else:
+        for finding in findings:
+            click.echo(finding.format_text())
+        for error in errors:
+            click.echo(f"error: {error}", err=True)
+        if findings:
+            click.echo(f"{len(findings)} finding(s)", err=True)
+    raise SystemExit(2 if errors else 1 if findings else 0)
+
+
+@cli.command()
+@click.argument("text")
+def explain(text: str) -> None:
+    """Explain an error message: its cause and fix. TEXT "-" reads the message from stdin."""
+    from .errors import explain as explain_text
+
+    if text == "-":
+        text = click.get_text_stream("stdin").read()
+    found = explain_text(text)
+    if found is None:
+        click.echo(
+            "No known explanation for this error. Run `ddpgraph doctor` to check the environment "
+            "and `ddpgraph lint SCRIPT.py` to check the script.",
+            err=True,
+        )
+        raise SystemExit(1)
+    click.echo(found.render())
 
 
 def main() -> None:

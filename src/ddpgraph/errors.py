@@ -120,7 +120,7 @@ _KNOWN: tuple[_Known, ...] = (
         "a host synchronisation inside CUDA-graph capture",
         "something in the captured region waited for the GPU: .item(), .cpu(), .tolist(), "
         "print(tensor), torch.cuda.synchronize(), a CUDA event query - or DDP's runtime-stats "
-        "logging, which records CUDA-event timers at iterations 1..10 and every 100th "
+        "logging, which records CUDA-event timers at iterations 0..10 and every 100th "
         "(DistributedDataParallel._pre_forward -> set_runtime_stats_and_log)",
         _WARMUP_FIX
         + "; move every .item()/.cpu()/print of a tensor out of the captured region (read "
