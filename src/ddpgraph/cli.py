@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
+from .errors import explain as explain_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -95,11 +97,9 @@ def lint(files: tuple[Path, ...], fmt: str) -> None:
 @click.argument("text")
 def explain(text: str) -> None:
     """Explain an error message: its cause and fix. TEXT "-" reads the message from stdin."""
-    from .errors import explain as explain_text
-
     if text == "-":
-        text = click.get_text_stream("stdin").read()
-    found = explain_text(text)
+        text = sys.stdin.read()
+    found = explain_error(text)
     if found is None:
         click.echo(
             "No known explanation for this error. Run `ddpgraph doctor` to check the environment "
