@@ -110,5 +110,36 @@ def explain(text: str) -> None:
     click.echo(found.render())
 
 
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks for the self-test [default: one per local GPU, or 2 CPU ranks on gloo].",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="Seconds a self-test collective may take before it counts as hung.",
+)
+def doctor(as_json: bool, nproc: int | None, timeout: float) -> None:
+    """Report the environment and run a live multi-rank self-test, with a fix for each failure.
+
+    Exit status: 0 when every check passes, 1 otherwise.
+    """
+    from .doctor import env
+
+    report = env.collect_env()
+    results = env.run_selftest(nproc, timeout_s=timeout)
+    if as_json:
+        click.echo(json.dumps(env.to_json(report, results), indent=2))
+    else:
+        env.render(report, results)
+    raise SystemExit(0 if all(r.ok for r in results) else 1)
+
+
 def main() -> None:
     cli()
