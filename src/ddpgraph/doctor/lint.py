@@ -438,28 +438,20 @@ _Emit = Callable[[ast.AST, str, str, str], None]
 
 def _rule_unbound_device(mod: _Module, emit: _Emit) -> None:
     """DG101: the first collective / DDP / NCCL group that provably runs before any binding."""
-    if not _uses_cuda(mod):
-        return
-    bindings: list[ast.Call] = []
+    groups = [c for c in _all_calls(mod) if mod.call_name(c) == _INIT_GROUP]
+    bindings = [c for c in _all_calls(mod) if _binds_device(mod, c)]
+    if not _uses_cuda(mod) or not (groups or bindings):
+        return  # a CPU job, or a library module whose caller may have bound the device
+    nccl = any(_maybe_nccl(g) for g in groups)
     triggers: list[tuple[ast.Call, str]] = []
-    groups: list[ast.Call] = []
-    for call in ast.walk(mod.tree):
-        if not isinstance(call, ast.Call):
-            continue
+    for call in _all_calls(mod):
         name = mod.call_name(call)
-        if name in _BINDERS or (name or "").endswith("ddpgraph.init"):
-            bindings.append(call)
-        elif name == "torch.distributed.init_process_group":
-            if _kwarg(call, "device_id") is not None:
-                bindings.append(call)
-            elif _nccl_backend(call):
-                groups.append(call)
-        elif _is_collective(name):
+        if nccl and _is_collective(name):
             triggers.append((call, f"dist.{(name or '').rpartition('.')[2]}()"))
-        elif _is_ddp(name):
+        elif _is_ddp(name) and (nccl or _kwarg(call, "device_ids") is not None):
             triggers.append((call, "DistributedDataParallel(...)"))
-    if not bindings and groups:
-        triggers.append((groups[0], "init_process_group('nccl') without device_id"))
+    if not bindings:
+        triggers += [(g, f"{_text(g.func)}({_backend_text(g)})") for g in groups if _maybe_nccl(g)]
     unbound = [(c, what) for c, what in triggers if not _bound_before(mod, c, bindings)]
     if not unbound:
         return
@@ -481,6 +473,33 @@ def _rule_unbound_device(mod: _Module, emit: _Emit) -> None:
     )
 
 
+_INIT_GROUP = "torch.distributed.init_process_group"
+
+
+def _all_calls(mod: _Module) -> list[ast.Call]:
+    return [n for n in ast.walk(mod.tree) if isinstance(n, ast.Call)]
+
+
+def _binds_device(mod: _Module, call: ast.Call) -> bool:
+    name = mod.call_name(call) or ""
+    if name == _INIT_GROUP:
+        return _kwarg(call, "device_id") is not None
+    return name in _BINDERS or name == "ddpgraph.init" or name.endswith(".ddpgraph.init")
+
+
+def _maybe_nccl(call: ast.Call) -> bool:
+    """NCCL unless the backend is a literal without it (no backend: NCCL on a CUDA machine)."""
+    backend = _arg(call, 0, "backend")
+    if isinstance(backend, ast.Constant) and isinstance(backend.value, str):
+        return "nccl" in backend.value.lower()
+    return True
+
+
+def _backend_text(call: ast.Call) -> str:
+    backend = _arg(call, 0, "backend")
+    return _text(backend) if backend is not None else ""
+
+
 def _uses_cuda(mod: _Module) -> bool:
     """The rule is about GPUs: a CPU/gloo-only script has nothing to bind."""
     for node in ast.walk(mod.tree):
@@ -493,11 +512,6 @@ def _uses_cuda(mod: _Module) -> bool:
         elif isinstance(node, ast.keyword) and node.arg in ("device_ids", "output_device"):
             return True
     return False
-
-
-def _nccl_backend(call: ast.Call) -> bool:
-    backend = _arg(call, 0, "backend")
-    return isinstance(backend, ast.Constant) and "nccl" in str(backend.value)
 
 
 def _bound_before(mod: _Module, trigger: ast.Call, bindings: Sequence[ast.Call]) -> bool:
@@ -878,7 +892,7 @@ def _rule_static_rebound(mod: _Module, emit: _Emit) -> None:
                     "DG108",
                     f"{name!r} is read by the graph captured at line {capture.node.lineno} but "
                     f"is re-bound here before {capture.graph}.replay(); the replay still reads "
-                    "the old tensor, so every step trains on the same data",
+                    "the tensor (or value) it saw at capture, so every replay trains on the same data",
                     f"keep the static tensor and copy into it: {name}.copy_(new_value)",
                 )
 
