@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 __all__ = ["RULES", "Finding", "LintError", "Rule", "lint_file", "lint_paths", "lint_source"]
 
@@ -633,7 +634,9 @@ def _rule_warmup_count(mod: _Module, emit: _Emit) -> None:
             continue
         targets = {m.target for m in models}
         found = _warmup_before(mod, capture.node, targets)
-        if found is None:
+        if found == "none" and _never_warmed(mod, capture.node, models):
+            found = (0, capture.node)
+        if not isinstance(found, tuple):
             continue
         count, where = found
         if count >= 11 and count % 100 != 0:
@@ -653,8 +656,9 @@ def _rule_warmup_count(mod: _Module, emit: _Emit) -> None:
 
 def _warmup_before(
     mod: _Module, capture: ast.With, targets: set[str]
-) -> tuple[int, ast.AST] | None:
-    """The provable warm-up count before ``capture`` and the node that sets it, if any."""
+) -> tuple[int, ast.AST] | Literal["none"] | None:
+    """The provable warm-up count before ``capture`` and the node that sets it; "none" when the
+    scope holds no eager call of the model before it; None when the count is unknowable."""
     node: ast.AST = capture
     equal_to: tuple[str, int, ast.AST] | None = None  # from `if i == N:` around the capture
     while True:
@@ -675,9 +679,28 @@ def _warmup_before(
             variable, count, where = equal_to
             if _counts_from_zero(parent, variable):
                 return count, where
+        if isinstance(parent, (ast.For, ast.AsyncFor, ast.While)):
+            return None  # earlier passes of this loop may have been the warm-up
         if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
-            return None
+            return "none"
         node = parent
+
+
+def _never_warmed(mod: _Module, capture: ast.With, models: Sequence[_Made]) -> bool:
+    """The model is built in the capture's own scope and nothing between could have run it."""
+    scope = mod.scope_of(capture)
+    for model in models:
+        made = _made_for(mod.ddp, model.target, mod, capture)
+        if made is None or made.scope is not scope or made.call.lineno >= capture.lineno:
+            return False
+        between = [c for c in _calls(scope) if made.call.lineno < c.lineno < capture.lineno]
+        for call in between:
+            passed = [*call.args, *(k.value for k in call.keywords)]
+            if any(_text(a) == model.target for a in passed):
+                return False  # handed to a helper that may warm it up
+            if isinstance(call.func, ast.Name) and call.func.id in mod.functions:
+                return False  # a local function may use the model through a global
+    return True
 
 
 def _loop_calling(mod: _Module, stmt: ast.stmt, targets: set[str]) -> ast.For | None:
