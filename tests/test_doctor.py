@@ -150,3 +150,18 @@ def test_help():
     assert "--json" in result.output and "--nproc" in result.output
     for command in ("lint", "explain"):
         assert CliRunner().invoke(cli, [command, "--help"]).exit_code == 0
+
+
+def test_dead_rank_is_reported_in_one_line(monkeypatch: pytest.MonkeyPatch):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failure = ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="/nonexistent")
+
+    def killed(nproc, timeout_s):
+        raise ChildFailedError("selftest_worker", {1: failure})
+
+    monkeypatch.setattr(env, "_launch", killed)
+    (result,) = env.run_selftest(2)
+    assert result.name == "self-test processes" and not result.ok
+    assert result.detail.startswith("rank 1 was killed by signal 9 before reporting")
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in (result.fix or "")

@@ -385,7 +385,7 @@ def _quiet_elastic() -> None:
 
 
 def _launch_failure(exc: BaseException) -> CheckResult:
-    text = f"{type(exc).__name__}: {exc}".strip()
+    text = _describe_launch_failure(exc)
     found = explain(text)
     return CheckResult(
         "self-test processes",
@@ -395,6 +395,25 @@ def _launch_failure(exc: BaseException) -> CheckResult:
         if found
         else "a rank died before reporting; rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL",
     )
+
+
+def _describe_launch_failure(exc: BaseException) -> str:
+    """One line per dead rank for torch's ChildFailedError (its own text is a page of banner)."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, Mapping) or not failures:
+        return f"{type(exc).__name__}: {exc}".strip()
+    parts = []
+    for rank, failure in sorted(failures.items()):
+        code = getattr(failure, "exitcode", None)
+        how = (
+            f"was killed by signal {-code}"
+            if isinstance(code, int) and code < 0
+            else f"exited with code {code}"
+        )
+        message = str(getattr(failure, "message", "") or "")
+        detail = "" if "To enable traceback" in message or not message else f": {message}"
+        parts.append(f"rank {rank} {how} before reporting{detail}")
+    return "; ".join(parts)
 
 
 def merge(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[CheckResult]:
