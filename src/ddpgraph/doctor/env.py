@@ -213,7 +213,8 @@ def check_captured_all_reduce(rt: Runtime) -> str:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    # thread_local: CUDA calls of other threads (NCCL's watchdog) must not invalidate the capture.
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
         out = static.clone()
         dist.all_reduce(out)
     for round_ in (1, 2):
