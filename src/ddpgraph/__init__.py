@@ -11,7 +11,9 @@ from .errors import (
     ConfigError,
     DeviceConflictError,
     DistributedStateError,
+    Explanation,
     ObjectCollectiveError,
+    explain,
 )
 from .runtime import Runtime, get_runtime, init, shutdown
 from .step import StepReport, TrainStep
@@ -24,11 +26,13 @@ __all__ = [
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
+    "Explanation",
     "ObjectCollectiveError",
     "Runtime",
     "StepReport",
     "TrainStep",
     "__version__",
+    "explain",
     "get_runtime",
     "init",
     "shutdown",

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import click
 
 from . import __version__
+from .errors import explain as explain_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -77,6 +80,89 @@ def bench(configs: tuple[str, ...], steps: int, repeats: int, quick: bool, out: 
     from .bench import CONFIGS, run_bench
 
     run_bench(list(configs) or list(CONFIGS), steps=steps, repeats=repeats, quick=quick, out=out)
+
+
+@cli.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["text", "json"]),
+    default="text",
+    show_default=True,
+    help="Output format.",
+)
+def lint(files: tuple[Path, ...], fmt: str) -> None:
+    """Check scripts for the classic DDP / CUDA-graph / object-collective bugs (never runs them).
+
+    Exit status: 0 clean, 1 findings, 2 a file could not be read or parsed.
+    """
+    from .doctor.lint import RULES, lint_paths
+
+    findings, errors = lint_paths(files)
+    if fmt == "json":
+        payload = {
+            "findings": [f.to_dict() for f in findings],
+            "errors": [{"file": e.path, "message": str(e)} for e in errors],
+            "rules": {code: rule.summary for code, rule in RULES.items()},
+        }
+        click.echo(json.dumps(payload, indent=2))
+    else:
+        for finding in findings:
+            click.echo(finding.format_text())
+        for error in errors:
+            click.echo(f"error: {error}", err=True)
+        if findings:
+            click.echo(f"{len(findings)} finding(s)", err=True)
+    raise SystemExit(2 if errors else 1 if findings else 0)
+
+
+@cli.command()
+@click.argument("text")
+def explain(text: str) -> None:
+    """Explain an error message: its cause and fix. TEXT "-" reads the message from stdin."""
+    if text == "-":
+        text = sys.stdin.read()
+    found = explain_error(text)
+    if found is None:
+        click.echo(
+            "No known explanation for this error. Run `ddpgraph doctor` to check the environment "
+            "and `ddpgraph lint SCRIPT.py` to check the script.",
+            err=True,
+        )
+        raise SystemExit(1)
+    click.echo(found.render())
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks for the self-test [default: one per local GPU, or 2 CPU ranks on gloo].",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=60.0,
+    show_default=True,
+    help="Seconds a self-test collective may take before it counts as hung.",
+)
+def doctor(as_json: bool, nproc: int | None, timeout: float) -> None:
+    """Report the environment and run a live multi-rank self-test, with a fix for each failure.
+
+    Exit status: 0 when every check passes, 1 otherwise.
+    """
+    from .doctor import env
+
+    report = env.collect_env()
+    results = env.run_selftest(nproc, timeout_s=timeout)
+    if as_json:
+        click.echo(json.dumps(env.to_json(report, results), indent=2))
+    else:
+        env.render(report, results)
+    raise SystemExit(0 if all(r.ok for r in results) else 1)
 
 
 def main() -> None:
