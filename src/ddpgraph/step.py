@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ._log import get_logger
-from .errors import CaptureError, ConfigError, DeviceConflictError
+from .errors import CaptureError, ConfigError, DeviceConflictError, explain
 from .optim import GraphSafeOptimizer, make_graph_safe
 
 __all__ = ["StepReport", "TrainStep"]
@@ -696,4 +696,6 @@ def _first_capture_error(exc: BaseException) -> str:
         current = current.__cause__ or current.__context__
     first = chain[-1]
     text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
-    return f"capture failed: {type(first).__name__}: {text}"
+    known = explain(f"{type(first).__name__}: {first}")
+    explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
+    return f"capture failed: {type(first).__name__}: {text}{explained}"
