@@ -211,3 +211,88 @@ def test_ddp_over_gloo_with_two_ranks_matches_one_process():
     manual_steps(single, torch.optim.SGD(single.parameters(), lr=0.1, momentum=0.9), batches(6, 8))
     for a, b in zip(results[0]["params"], params(single)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("compile_arg", "message"),
+    [
+        ("yes", "compile='yes' must be True, False or a dict"),
+        ({"mode": "reduce-overhead"}, "asks Inductor for CUDA graphs of its own"),
+        ({"options": {"triton.cudagraphs": True}}, "asks Inductor for CUDA graphs of its own"),
+    ],
+)
+def test_bad_compile_options(compile_arg, message):
+    model = make_model()
+    with pytest.raises(ConfigError, match=message):
+        TrainStep(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            compile=compile_arg,
+        )
+
+
+def test_compile_runs_on_cpu_and_matches_eager():
+    data = batches(3, 8)
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        compile={"backend": "aot_eager"},
+    )
+    for x, y in data:
+        step(x, y)
+    assert hasattr(step.model, "_orig_mod")
+    assert set(step.state_dict()["model"]) == set(ref.state_dict())  # no "_orig_mod." prefix
+    for a, b in zip(params(ref), params(model)):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_failure_falls_back_to_the_plain_module_with_a_warning():
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("backend exploded")
+
+    torch._dynamo.reset()
+    data = batches(2, 8)
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        compile={"backend": broken_backend},
+    )
+    with pytest.warns(UserWarning, match="torch.compile failed, so the model runs uncompiled"):
+        for x, y in data:
+            step(x, y)
+    assert step.model is model
+    assert any("torch.compile failed" in f for f in step.report().fallbacks)
+    for a, b in zip(params(ref), params(model)):
+        assert torch.equal(a, b), "the failed compile must not have changed the model"
+
+
+def test_channels_last_converts_model_and_inputs():
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.seen = None
+
+        def forward(self, x):
+            self.seen = x.is_contiguous(memory_format=torch.channels_last)
+            return self.conv(x).mean(dim=(2, 3))
+
+    model = Conv()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        channels_last=True,
+    )
+    step(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))
+    assert model.seen is True
+    assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)

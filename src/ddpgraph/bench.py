@@ -1,19 +1,25 @@
-"""``ddpgraph bench``: eager DDP against TrainStep's whole-step graph, in one run per config.
+"""``ddpgraph bench``: eager DDP, torch.compile and TrainStep's whole-step graph, in one run.
 
-Every mode of a config runs in the same process, on the same batches, one after the other, so
-ratios between modes are meaningful even on a noisy machine. Step times are CUDA-event times per
-step (on CPU, wall-clock), reported as median and p90 over ``steps`` steps after warm-up.
+Every mode of a config runs in the same process, on the same rotating batches, one after the
+other, so ratios between modes are meaningful even on a noisy machine. Step times come from CUDA
+events recorded between consecutive steps with one sync at the end (the host runs ahead, as in
+real training); on CPU, wall-clock. Each mode reports the median and p90 step time, the GPU-busy
+time per step from the profiler, peak memory and the time to its first fast step (building the
+model, compiling, warming up and capturing: everything before steady state).
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
+import os
 import platform
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,8 @@ from torch import nn
 from . import runtime
 from .step import TrainStep
 
+WARMUP_STEPS = 14  # TrainStep: 12 eager, the capture, one replay; the same count for every mode
+
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -32,6 +40,7 @@ class BenchConfig:
     sample_shape: tuple[int, ...]
     batch_size: int
     amp: str | None = None
+    conv: bool = False  # channels_last applies
 
 
 def _mlp8x1024() -> nn.Module:
@@ -58,19 +67,30 @@ def _resnet50() -> nn.Module:
     return torchvision.models.resnet50(weights=None, num_classes=10)
 
 
+def _tiny() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
 CONFIGS = {
     "mlp": BenchConfig("MLP 8x1024 b64", _mlp8x1024, (1024,), 64),
     "transformer": BenchConfig("transformer 6x512 b16 bf16", _Encoder, (128, 512), 16, "bf16"),
-    "resnet50": BenchConfig("ResNet-50 b32 fp32", _resnet50, (3, 224, 224), 32),
+    "resnet50": BenchConfig("ResNet-50 b32 fp32", _resnet50, (3, 224, 224), 32, conv=True),
+    "resnet50-b256": BenchConfig(
+        "ResNet-50 b256 bf16", _resnet50, (3, 224, 224), 256, "bf16", conv=True
+    ),
 }
-QUICK = BenchConfig(
-    "MLP 2x64 b8 (quick)",
-    lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)),
-    (64,),
-    8,
+QUICK = BenchConfig("MLP 2x64 b8 (quick)", _tiny, (64,), 8)
+MODES = (
+    "eager_ddp",
+    "compile_reduce_overhead",
+    "train_step",
+    "train_step_channels_last",
+    "train_step_compiled",
 )
+QUICK_MODES = ("eager_ddp", "train_step")
 
 
+# ------------------------------------------------------------------ measuring
 def _batches(
     cfg: BenchConfig, device: torch.device, count: int = 4
 ) -> list[tuple[torch.Tensor, ...]]:
@@ -85,33 +105,39 @@ def _batches(
     ]
 
 
-class _Timer:
-    """Per-step times as a training loop sees them: no sync between steps.
-
-    On CUDA an event is recorded between consecutive steps and all are read after one final
-    sync, so the host runs ahead as in real training and each delta is the step's share of the
-    GPU timeline (launch gaps included when the host cannot keep up). On CPU, wall-clock.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def run(self, fn: Callable[[], Any], steps: int) -> list[float]:
-        if not self.cuda:
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-            return times
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
-        torch.cuda.synchronize()
-        events[0].record()
-        for event in events[1:]:
+def _step_times(fn: Callable[[], Any], steps: int, device: torch.device) -> list[float]:
+    if device.type != "cuda":
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
             fn()
-            event.record()
-        events[-1].synchronize()
-        return [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
+            times.append((time.perf_counter() - t0) * 1e3)
+        return times
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    torch.cuda.synchronize()
+    events[0].record()
+    for event in events[1:]:
+        fn()
+        event.record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) for a, b in itertools.pairwise(events)]
+
+
+def _gpu_busy_ms(fn: Callable[[], Any], steps: int, device: torch.device) -> float | None:
+    """Kernel time per step from the profiler: what the GPU itself needs, without launch gaps."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(
+        getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        for e in prof.key_averages()
+    )
+    return total_us / 1e3 / steps if total_us else None
 
 
 def _summary(times: list[float]) -> dict[str, float]:
@@ -123,79 +149,122 @@ def _summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def _fresh_memory(device: torch.device) -> None:
-    import gc
-
+@contextmanager
+def _fresh(device: torch.device) -> Iterator[None]:
+    """Each mode starts with the allocator emptied and the peak-memory counter reset."""
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    yield
+    torch._dynamo.reset()
 
 
-def _eager_ddp(cfg: BenchConfig, device: torch.device, batches: list, steps: int) -> dict[str, Any]:
-    """The status quo: a hand-written DDP loop on the default stream."""
+def _measure(
+    make_step: Callable[[], Callable[[], Any]], device: torch.device, steps: int
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    one = make_step()
+    for _ in range(WARMUP_STEPS):
+        one()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first_fast = time.perf_counter() - started
+    result: dict[str, Any] = _summary(_step_times(one, steps, device))
+    result["first_fast_step_s"] = first_fast
+    result["gpu_busy_ms"] = _gpu_busy_ms(one, min(steps, 20), device)
+    if device.type == "cuda":
+        result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return result
+
+
+# ---------------------------------------------------------------------- modes
+def _cycle(batches: list[tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+    it = itertools.cycle(batches)
+    return lambda: next(it)
+
+
+def _hand_written(
+    cfg: BenchConfig, device: torch.device, batches: list, *, compile_mode: str | None
+) -> Callable[[], Any]:
+    """The status quo: a hand-written DDP loop on the default stream, optionally compiled."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    _fresh_memory(device)
     torch.manual_seed(0)
-    model = cfg.build().to(device)
+    model: nn.Module = cfg.build().to(device)
+    if compile_mode is not None:
+        model = torch.compile(model, mode=compile_mode)  # type: ignore[assignment]
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
-    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
-    i = 0
+    next_batch = _cycle(batches)
 
     def one() -> None:
-        nonlocal i
-        x, y = batches[i % len(batches)]
-        i += 1
+        x, y = next_batch()
         opt.zero_grad(set_to_none=True)
-        with amp:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16"):
             loss = loss_fn(ddp(x), y)
         loss.backward()
         opt.step()
 
-    timer = _Timer(device)
-    timer.run(one, 12)
-    return _summary(timer.run(one, steps)) | _peak_memory(device)
+    return one
 
 
 def _train_step(
-    cfg: BenchConfig, device: torch.device, batches: list, steps: int
-) -> dict[str, Any]:
-    _fresh_memory(device)
+    cfg: BenchConfig, device: torch.device, batches: list, **options: Any
+) -> tuple[TrainStep, Callable[[], Any]]:
     torch.manual_seed(0)
     model = cfg.build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=cfg.amp)
-    i = 0
-
-    def one() -> None:
-        nonlocal i
-        step(*batches[i % len(batches)])
-        i += 1
-
-    timer = _Timer(device)
-    timer.run(one, 14)  # warm-up, capture, first replays
-    result: dict[str, Any] = {**_summary(timer.run(one, steps)), **_peak_memory(device)}
-    report = step.report()
-    result["mode"] = report.mode
-    result["time_to_first_replay_s"] = report.time_to_first_replay
-    result["fallbacks"] = report.fallbacks
-    if step._graphs:
-        graph = next(iter(step._graphs.values())).graph
-        bare = _Timer(device).run(graph.replay, steps)
-        result["bare_replay"] = _summary(bare)
-    return result
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=cfg.amp, **options)
+    next_batch = _cycle(batches)
+    return step, lambda: step(*next_batch())
 
 
-def _peak_memory(device: torch.device) -> dict[str, float]:
-    if device.type != "cuda":
-        return {}
-    return {"peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20}
+def run_mode(
+    mode: str, cfg: BenchConfig, device: torch.device, batches: list, steps: int
+) -> dict[str, Any] | None:
+    """One mode of one config; None where the mode does not apply (channels_last off conv nets)."""
+    if mode == "train_step_channels_last" and not cfg.conv:
+        return None
+    with _fresh(device):
+        if mode == "eager_ddp":
+            return _measure(
+                lambda: _hand_written(cfg, device, batches, compile_mode=None), device, steps
+            )
+        if mode == "compile_reduce_overhead":
+            return _measure(
+                lambda: _hand_written(cfg, device, batches, compile_mode="reduce-overhead"),
+                device,
+                steps,
+            )
+        options: dict[str, Any] = {
+            "train_step": {},
+            "train_step_channels_last": {"channels_last": True},
+            "train_step_compiled": {"compile": True, "channels_last": cfg.conv},
+        }[mode]
+        holder: dict[str, TrainStep] = {}
+
+        def make() -> Callable[[], Any]:
+            holder["step"], one = _train_step(cfg, device, batches, **options)
+            return one
+
+        result = _measure(make, device, steps)
+        step = holder["step"]
+        report = step.report()
+        result |= {
+            "mode": report.mode,
+            "time_to_first_replay_s": report.time_to_first_replay,
+            "fallbacks": report.fallbacks,
+        }
+        if step._graphs:  # the floor: its own graph replayed with no wrapper at all
+            graph = next(iter(step._graphs.values())).graph
+            result["bare_replay"] = _summary(_step_times(graph.replay, steps, device))
+        return result
 
 
+# ------------------------------------------------------------------- the run
 def environment() -> dict[str, Any]:
     info: dict[str, Any] = {
         "torch": torch.__version__,
@@ -211,54 +280,77 @@ def environment() -> dict[str, Any]:
 
 
 def _git_commit() -> str:
-    import os
-
     if os.environ.get("DDPGRAPH_COMMIT"):  # set where the tree travels without its .git
         return os.environ["DDPGRAPH_COMMIT"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
         )
-        return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
 def run_bench(
-    names: list[str], *, steps: int, repeats: int, quick: bool, out: Path
+    names: list[str],
+    *,
+    modes: list[str],
+    steps: int,
+    repeats: int,
+    quick: bool,
+    out: Path,
 ) -> dict[str, Any]:
-    """Run every config's modes ``repeats`` times (interleaved), write JSON to ``out``, return it."""
+    """Run each config's modes ``repeats`` times, interleaved; write JSON, markdown and PNG."""
+    from rich.progress import Progress
+
     rt = runtime.init()
     device = rt.device
     configs = [QUICK] if quick else [CONFIGS[n] for n in names]
+    modes = list(QUICK_MODES) if quick else modes
     results: dict[str, Any] = {
         "environment": environment(),
         "world_size": rt.world_size,
+        "timing": "CUDA events between consecutive steps, one sync at the end (CPU: wall-clock)",
         "configs": {},
     }
-    for cfg in configs:
-        batches = _batches(cfg, device)
-        runs = []
-        for r in range(repeats):
-            eager = _eager_ddp(cfg, device, batches, steps)
-            graphed = _train_step(cfg, device, batches, steps)
-            runs.append(
-                {
-                    "eager_ddp": eager,
-                    "train_step": graphed,
-                    "ratio": graphed["median_ms"] / eager["median_ms"],
-                }
-            )
-            print(
-                f"[bench] {cfg.name} run {r + 1}/{repeats}: eager {eager['median_ms']:.3f} ms, "
-                f"TrainStep {graphed['median_ms']:.3f} ms ({graphed['mode']}), ratio {runs[-1]['ratio']:.3f}",
-                flush=True,
-            )
-        results["configs"][cfg.name] = {
-            "runs": runs,
-            "median_ratio": statistics.median(r["ratio"] for r in runs),
-        }
+    with Progress(disable=not rt.is_main) as progress:
+        task = progress.add_task("bench", total=len(configs) * len(modes) * repeats)
+        for cfg in configs:
+            batches = _batches(cfg, device)
+            runs = []
+            for r in range(repeats):
+                run: dict[str, Any] = {}
+                for mode in modes:
+                    progress.update(task, description=f"{cfg.name}: {mode} ({r + 1}/{repeats})")
+                    measured = run_mode(mode, cfg, device, batches, steps)
+                    if measured is not None:
+                        run[mode] = measured
+                    progress.advance(task)
+                runs.append(run)
+                progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
+            results["configs"][cfg.name] = {"runs": runs}
+    runtime.shutdown()
+    if rt.is_main:
+        write_outputs(results, out)
+    return results
+
+
+def _run_line(name: str, r: int, repeats: int, run: dict[str, Any]) -> str:
+    eager = run["eager_ddp"]["median_ms"]
+    parts = [
+        f"{mode} {m['median_ms']:.3f} ms ({m['median_ms'] / eager:.2f}x)" for mode, m in run.items()
+    ]
+    return f"[bench] {name} {r + 1}/{repeats}: " + ", ".join(parts)
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> None:
+    """``out`` (JSON), and beside it the markdown table (.md) and the chart (.png, if matplotlib)."""
+    from .bench_report import chart, table_rows, to_markdown
+
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    runtime.shutdown()
-    return results
+    rows = table_rows(out.name, results)
+    markdown = to_markdown(rows)
+    out.with_suffix(".md").write_text(markdown + "\n")
+    chart(rows, out.with_suffix(".png"))
+    print(markdown)

@@ -62,24 +62,59 @@ def train(
 @click.option(
     "--config",
     "configs",
-    type=click.Choice(["mlp", "transformer", "resnet50"]),
+    type=click.Choice(["mlp", "transformer", "resnet50", "resnet50-b256"]),
     multiple=True,
-    help="Configs to run [default: all].",
+    help="Configs to run (repeatable) [default: all].",
+)
+@click.option(
+    "--mode",
+    "modes",
+    type=click.Choice(
+        [
+            "eager_ddp",
+            "compile_reduce_overhead",
+            "train_step",
+            "train_step_channels_last",
+            "train_step_compiled",
+        ]
+    ),
+    multiple=True,
+    help="Modes to run (repeatable; eager_ddp always runs, as the baseline) [default: all].",
 )
 @click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run.")
+@click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run (eager and TrainStep).")
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("benchmarks/results/bench.json"),
     show_default=True,
+    help="JSON file; the .md table and .png chart are written beside it.",
 )
-def bench(configs: tuple[str, ...], steps: int, repeats: int, quick: bool, out: Path) -> None:
-    """Eager DDP vs TrainStep (whole-step graph), same run; JSON with versions and commit."""
-    from .bench import CONFIGS, run_bench
+def bench(
+    configs: tuple[str, ...],
+    modes: tuple[str, ...],
+    steps: int,
+    repeats: int,
+    quick: bool,
+    out: Path,
+) -> None:
+    """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    from .bench import CONFIGS, MODES, run_bench
 
-    run_bench(list(configs) or list(CONFIGS), steps=steps, repeats=repeats, quick=quick, out=out)
+    chosen = (
+        ["eager_ddp", *(m for m in MODES if m in modes and m != "eager_ddp")]
+        if modes
+        else list(MODES)
+    )
+    run_bench(
+        list(configs) or list(CONFIGS),
+        modes=chosen,
+        steps=steps,
+        repeats=repeats,
+        quick=quick,
+        out=out,
+    )
 
 
 @cli.command()

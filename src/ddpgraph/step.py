@@ -63,8 +63,11 @@ class StepOptions:
     clip_grad_norm: float | None = None
     on_new_shape: NewShapePolicy = "eager"
     warmup: int | None = None
+    compile: bool | Mapping[str, Any] = False
+    channels_last: bool = False
 
     def __post_init__(self) -> None:
+        _check_compile(self.compile)
         _check_choice("graph", self.graph, ("auto", "always", "never"))
         _check_choice("on_new_shape", self.on_new_shape, ("eager", "capture", "error"))
         if self.amp not in (None, "bf16"):
@@ -78,6 +81,23 @@ class StepOptions:
             raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be positive or None.")
         if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 1):
             raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 1 or None.")
+
+
+def _check_compile(value: object) -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"compile={value!r} must be True, False or a dict of torch.compile arguments."
+        )
+    mode = value.get("mode")
+    options = value.get("options") or {}
+    if mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+        raise ConfigError(
+            f"compile={dict(value)!r} asks Inductor for CUDA graphs of its own, but TrainStep "
+            "captures the whole step as one graph; use mode='default' or "
+            "'max-autotune-no-cudagraphs'."
+        )
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
@@ -177,8 +197,12 @@ class TrainStep:
         warmup: int | None = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
         scheduler: Any = None,
+        compile: bool | Mapping[str, Any] = False,
+        channels_last: bool = False,
     ) -> None:
-        self.options = StepOptions(graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup)
+        self.options = StepOptions(
+            graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile, channels_last
+        )
         if isinstance(model, DistributedDataParallel):
             raise ConfigError(
                 "TrainStep got a DistributedDataParallel model; pass the bare module: TrainStep "
@@ -192,7 +216,12 @@ class TrainStep:
         self.scheduler = scheduler
         self._amp_dtype = torch.bfloat16 if amp == "bf16" else None
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.model = self._wrap(model, dict(ddp_kwargs or {}))
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        self._module = model
+        self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._compile_pending = bool(compile)  # compiled, but not yet past its first forward
+        self.model = self._wrap(_compiled(model, compile) if compile else model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._graphs: dict[Signature, _Graph] = {}
         self._pool: Any = None
@@ -275,13 +304,13 @@ class TrainStep:
             self._guard = _ReplayGuard(self._params, self.optimizer)
 
     # --------------------------------------------------------------- set-up
-    def _wrap(self, model: nn.Module, ddp_kwargs: dict[str, Any]) -> nn.Module:
+    def _wrap(self, model: nn.Module) -> nn.Module:
         if not (dist.is_available() and dist.is_initialized()):
             return model
         kwargs: dict[str, Any] = {"gradient_as_bucket_view": True}
         if self.device.type == "cuda":
             kwargs["device_ids"] = [self.device.index]
-        kwargs.update(ddp_kwargs)
+        kwargs.update(self._ddp_kwargs)
         # DDP built on the capture stream: built on the default stream, its backward cannot be
         # captured ("operation would make the legacy stream depend on a capturing blocking stream").
         with self._on_side_stream():
@@ -363,10 +392,12 @@ class TrainStep:
         if not self._graphs and self._graph_enabled:
             self._report.warmup_steps += 1
         with self._on_side_stream():
-            batch = tuple(t.to(self.device, non_blocking=True) for t in batch)
+            batch = tuple(self._to_device(t) for t in batch)
             if self._optimizer_plan is not None:
                 self._optimizer_plan.sync_lr()
-            if check_syncs:
+            if self._compile_pending:
+                loss = self._first_compiled_step(batch)
+            elif check_syncs:
                 syncs = _record_host_syncs(lambda: self._body(batch))
                 loss = syncs.result
                 if syncs.found:
@@ -375,6 +406,31 @@ class TrainStep:
                 loss = self._body(batch)
         self._sync_forwards += 1
         return loss
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self.device, non_blocking=True)
+        if self.options.channels_last and tensor.dim() == 4:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    def _first_compiled_step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The first forward compiles; if Inductor fails, fall back to the plain module.
+
+        Compilation happens before any kernel of the step runs, so the model is unchanged when
+        it fails and the step is simply run again, uncompiled.
+        """
+        from torch._dynamo.exc import TorchDynamoException
+
+        self._compile_pending = False
+        try:
+            return self._body(batch)
+        except TorchDynamoException as exc:
+            self._warn_or_raise(
+                f"torch.compile failed, so the model runs uncompiled: {_first_line(exc)}"
+            )
+            self.model = self._wrap(self._module)
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
+            return self._body(batch)
 
     def _body(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
         """zero_grad, k x (forward, loss, backward), clip, optimizer step. Returns the mean loss.
@@ -421,9 +477,7 @@ class TrainStep:
         step eagerly. Model and optimizer state are untouched by a failed capture.
         """
         assert self._stream is not None
-        static_batch = tuple(torch.empty_like(t, device=self.device) for t in batch)
-        for static, tensor in zip(static_batch, batch):
-            static.copy_(tensor)
+        static_batch = tuple(self._to_device(t).clone() for t in batch)
         started = time.perf_counter()
         assert self._optimizer_plan is not None
         self._optimizer_plan.sync_lr()
@@ -596,7 +650,21 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    """The user's module inside DDP and torch.compile (whose state_dict keys are prefixed)."""
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    return getattr(module, "_orig_mod", module)
+
+
+def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
+    # Inductor's default mode: its kernels, no CUDA graphs of its own (TrainStep captures the
+    # whole step). DDP goes around the compiled module: torch.compile(DDP(m)) compiles nothing.
+    kwargs = dict(options) if isinstance(options, Mapping) else {}
+    return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _split(batch: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, ...]]:

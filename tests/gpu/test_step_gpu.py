@@ -222,3 +222,28 @@ def test_failed_capture_warns_with_the_first_error_and_leaves_state_unchanged(rt
         assert torch.equal(state[name], reference[name]), name
     with pytest.raises(CaptureError, match="capture failed"):
         run_with_loss(synchronize_in_loss, batches, "always")
+
+
+def _max_difference(a, b):
+    diffs = [(a["losses"] - b["losses"]).abs().max()]
+    diffs += [(a["state"][k].float() - v.float()).abs().max() for k, v in b["state"].items()]
+    return float(torch.stack(diffs).max())
+
+
+def test_compiled_and_graphed_matches_compiled_eager(rt):
+    """Bitwise where Inductor is deterministic; otherwise within compiled eager's own noise."""
+    batches = make_batches(mlp, 12 + 1 + REPLAYS)
+    graphed = train(mlp, sgd, batches, graph="always", compile=True)
+    eager = train(mlp, sgd, batches, graph="never", compile=True)
+    eager_again = train(mlp, sgd, batches, graph="never", compile=True)
+    assert graphed["report"].mode == "graphed" and not graphed["report"].fallbacks
+    noise = _max_difference(eager_again, eager)
+    assert _max_difference(graphed, eager) <= noise, (noise, _max_difference(graphed, eager))
+
+
+def test_channels_last_resnet_graphed_equals_eager(rt):
+    batches = make_batches(resnet, 12 + 1 + REPLAYS)
+    graphed = train(resnet, sgd, batches, graph="always", channels_last=True)
+    eager = train(resnet, sgd, batches, graph="never", channels_last=True)
+    assert graphed["report"].mode == "graphed"
+    assert_bitwise(graphed, eager)

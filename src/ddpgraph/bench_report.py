@@ -1,0 +1,92 @@
+"""Tables and charts from ``ddpgraph bench`` JSON: medians over the repeats, ratios within a run."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+MODE_TITLES = {
+    "eager_ddp": "eager DDP",
+    "compile_reduce_overhead": "compile reduce-overhead",
+    "train_step": "TrainStep",
+    "train_step_channels_last": "TrainStep channels_last",
+    "train_step_compiled": "TrainStep compile=True",
+}
+
+
+def table_rows(source: str, results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per config: each mode's median step time, its ratio to eager DDP and extras."""
+    rows = []
+    for config, result in results["configs"].items():
+        runs = result["runs"]
+        row: dict[str, Any] = {"source": source, "config": config, "runs": len(runs), "modes": {}}
+        for mode in MODE_TITLES:
+            measured = [r[mode] for r in runs if mode in r]
+            if not measured:
+                continue
+            row["modes"][mode] = {
+                "median_ms": statistics.median(m["median_ms"] for m in measured),
+                "vs_eager": statistics.median(
+                    r[mode]["median_ms"] / r["eager_ddp"]["median_ms"] for r in runs if mode in r
+                ),
+                "first_fast_step_s": statistics.median(m["first_fast_step_s"] for m in measured),
+                "gpu_busy_ms": _median_or_none(m.get("gpu_busy_ms") for m in measured),
+                "bare_replay_ms": _median_or_none(
+                    m.get("bare_replay", {}).get("median_ms") for m in measured
+                ),
+            }
+        rows.append(row)
+    return rows
+
+
+def _median_or_none(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def to_markdown(rows: list[dict[str, Any]]) -> str:
+    modes = [m for m in MODE_TITLES if any(m in r["modes"] for r in rows)]
+    header = ["config", *(f"{MODE_TITLES[m]} ms (× eager)" for m in modes), "first fast step s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cells = [row["config"]]
+        for mode in modes:
+            m = row["modes"].get(mode)
+            cells.append("–" if m is None else f"{m['median_ms']:.3f} ({m['vs_eager']:.2f}×)")
+        cells.append(
+            " / ".join(
+                f"{row['modes'][m]['first_fast_step_s']:.1f}" for m in modes if m in row["modes"]
+            )
+        )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> bool:
+    """A bar chart of step time relative to eager DDP; False (and a note) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart", file=sys.stderr)
+        return False
+    modes = [m for m in MODE_TITLES if any(m in r["modes"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.9 * len(rows)))
+    height = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        ys = [j + i * height for j in range(len(rows))]
+        values = [r["modes"].get(mode, {}).get("vs_eager", 0.0) for r in rows]
+        ax.barh(ys, values, height, label=MODE_TITLES[mode])
+    ax.set_yticks([j + 0.4 - height / 2 for j in range(len(rows))], [r["config"] for r in rows])
+    ax.set_xlabel("step time relative to eager DDP (lower is faster)")
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

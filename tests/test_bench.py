@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from ddpgraph import TrainStep
+from ddpgraph.bench_report import table_rows, to_markdown
+
+
+@pytest.mark.timeout(240)
+def test_bench_quick_writes_json_table_and_chart(tmp_path):
+    out = tmp_path / "quick.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpgraph",
+            "bench",
+            "--quick",
+            "--steps",
+            "8",
+            "--repeats",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["environment"]["torch"] == torch.__version__
+    assert data["environment"]["commit"]
+    (config,) = data["configs"].values()
+    assert len(config["runs"]) == 2
+    for run in config["runs"]:
+        assert set(run) == {"eager_ddp", "train_step"}
+        for mode in run.values():
+            assert mode["steps"] == 8 and 0 < mode["median_ms"] <= mode["p90_ms"]
+            assert mode["first_fast_step_s"] > 0
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.startswith("| config | eager DDP ms") and "(1.00×)" in markdown
+
+
+def test_report_rows_take_medians_and_within_run_ratios():
+    def mode(ms):
+        return {"median_ms": ms, "first_fast_step_s": 1.0}
+
+    results = {
+        "configs": {
+            "c": {
+                "runs": [
+                    {"eager_ddp": mode(10.0), "train_step": mode(2.0)},
+                    {"eager_ddp": mode(20.0), "train_step": mode(2.0)},
+                    {"eager_ddp": mode(12.0), "train_step": mode(3.0)},
+                ]
+            }
+        }
+    }
+    (row,) = table_rows("x.json", results)
+    assert row["modes"]["eager_ddp"]["median_ms"] == 12.0
+    assert row["modes"]["train_step"]["vs_eager"] == 0.2  # median of 0.2, 0.1, 0.25
+    assert "| c | 12.000 (1.00×) | 2.000 (0.20×) |" in to_markdown([row])
+
+
+@pytest.mark.timeout(300)
+def test_compile_true_with_inductor_on_cpu():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    step = TrainStep(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), compile=True
+    )
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 8, generator=gen), torch.randint(4, (32,), generator=gen)
+    losses = [float(step(x, y)) for _ in range(5)]
+    assert step.report().fallbacks == ["the model is on cpu, not CUDA"]
+    assert losses[-1] < losses[0]
