@@ -164,6 +164,7 @@ def _fresh(device: torch.device) -> Iterator[None]:
 def _measure(
     make_step: Callable[[], Callable[[], Any]], device: torch.device, steps: int
 ) -> dict[str, Any]:
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     started = time.perf_counter()
     one = make_step()
     for _ in range(WARMUP_STEPS):
@@ -175,7 +176,8 @@ def _measure(
     result["first_fast_step_s"] = first_fast
     result["gpu_busy_ms"] = _gpu_busy_ms(one, min(steps, 20), device)
     if device.type == "cuda":
-        result["peak_memory_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        # this mode's own peak: memory still held by earlier modes is not its cost
+        result["peak_memory_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     return result
 
 

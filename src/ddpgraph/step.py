@@ -518,6 +518,7 @@ class TrainStep:
                 static_loss = self._body(static_batch)
         except Exception as exc:
             torch.cuda.synchronize(self.device)
+            _release_rng_from_failed_capture(self._stream)
             return _first_capture_error(exc)
         self._captured = _Graph(graph, static_batch, static_loss)
         return None
@@ -753,6 +754,20 @@ def _user_frame() -> str:
             continue
         return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "an unknown line"
+
+
+def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:
+    """Take the default CUDA generator out of capture mode after a failed capture.
+
+    torch ends a generator's capture mode only when a capture *succeeds*; after a failed one every
+    later random op (dropout, Inductor's compilation) raises "Offset increment outside graph
+    capture encountered unexpectedly". A trivial capture that succeeds ends it.
+    """
+    scratch = torch.zeros(1, device=stream.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        scratch.add_(1)
+    del graph
 
 
 def _first_capture_error(exc: BaseException) -> str:
