@@ -13,6 +13,7 @@ from .errors import (
     DistributedStateError,
     ObjectCollectiveError,
 )
+from .objects import all_gather_object, broadcast_object, gather_object
 from .runtime import Runtime, get_runtime, init, shutdown
 
 __version__ = "0.1.0"
@@ -26,6 +27,9 @@ __all__ = [
     "ObjectCollectiveError",
     "Runtime",
     "__version__",
+    "all_gather_object",
+    "broadcast_object",
+    "gather_object",
     "get_runtime",
     "init",
     "shutdown",

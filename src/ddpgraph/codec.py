@@ -24,7 +24,7 @@ import json
 import pickle
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 import numpy as np
@@ -108,7 +108,7 @@ def _default(obj: Any) -> msgpack.ExtType:
 def _pack(obj: Any) -> bytes:
     # strict_types: a tuple, a bool-like int subclass or an OrderedDict reaches _default instead
     # of being silently flattened to a list / int / dict.
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
 
 
 def _encode_data(obj: Any) -> bytes:
@@ -132,7 +132,9 @@ def _int_to_bytes(value: int) -> bytes:
 
 def _tensor_problem(t: torch.Tensor) -> str | None:
     if t.layout != torch.strided:
-        return f"a tensor with layout {t.layout} (only dense tensors are supported; call .to_dense())"
+        return (
+            f"a tensor with layout {t.layout} (only dense tensors are supported; call .to_dense())"
+        )
     if t.is_quantized:
         return "a quantized tensor (call .dequantize() first)"
     if t.device.type == "meta":
@@ -147,7 +149,7 @@ def _tensor_to_bytes(t: torch.Tensor) -> bytes:
     # viewing as bytes carries every dtype, bfloat16 included, which numpy cannot represent.
     flat = t.detach().cpu().contiguous().reshape(-1)
     meta = _pack([str(t.dtype).removeprefix("torch."), list(t.shape)])
-    raw = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else b""
+    raw = flat.view(torch.uint8).numpy().data if flat.numel() else b""
     return b"".join((_PREFIX.pack(len(meta)), meta, raw))
 
 
@@ -165,7 +167,7 @@ def _array_to_bytes(a: np.ndarray) -> bytes:
     if not a.flags.c_contiguous:
         a = a.copy(order="C")  # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
     meta = _pack([a.dtype.str, list(a.shape)])
-    return b"".join((_PREFIX.pack(len(meta)), meta, memoryview(a).cast("B")))
+    return b"".join((_PREFIX.pack(len(meta)), meta, a.reshape(-1).view(np.uint8).data))
 
 
 def _find_unsupported(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, str] | None:
@@ -277,7 +279,7 @@ def _decode_scalar(data: bytes) -> np.generic:
     array = _decode_array(data)
     if array.shape != ():
         raise DecodeError(f"numpy scalar with shape {array.shape}")
-    return array[()]  # type: ignore[no-any-return]
+    return cast(np.generic, array[()])
 
 
 def _numel(shape: list[int]) -> int:
