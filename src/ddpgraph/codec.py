@@ -7,7 +7,8 @@ Two codecs:
   bytes, list, tuple and dict (keys of those types) plus tensors and arrays, and nothing else:
   decoding runs no code named by the sender, so a malicious or corrupt peer can at worst make
   decoding fail. Tensors come back on the CPU (whatever device they left from), contiguous,
-  with their dtype (bfloat16 and the float8 types included) and shape.
+  with their dtype (bfloat16 and the float8 types included) and shape. ``bytearray`` and
+  ``memoryview`` arrive as ``bytes``; numpy scalars as numpy scalars.
 * ``"pickle"``: any picklable object. **Security warning:** unpickling runs code chosen by the
   sender; use it only when every rank is trusted (your own job's ranks). Tensors inside are
   still loaded on the CPU.

@@ -1,0 +1,208 @@
+"""Module-level workers for the object-collective tests (run_distributed needs importable ones)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ddpgraph as dg
+from ddpgraph import compat, objects
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def capture(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """The result, or the exception as a value, so that a worker can go on after a failure."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        return exc
+
+
+def object_for(rank: int, size: int) -> dict:
+    """A rank-dependent object of roughly ``size`` bytes encoded, with a tensor inside."""
+    return {
+        "rank": rank,
+        "name": f"rank-{rank}",
+        "big": 1 << (70 + rank),
+        "pair": (rank, -rank),
+        "t": torch.arange(max(size // 4, 1), dtype=torch.float32) * rank,
+        "bf16": torch.full((3,), rank + 0.5, dtype=torch.bfloat16),
+    }
+
+
+def gather_all_three(sizes: list[int]) -> dict:
+    rank = _rank()
+    obj = object_for(rank, sizes[rank])
+    world = dist.get_world_size()
+    return {
+        "all": dg.all_gather_object(obj),
+        "gather": dg.gather_object(obj, dst=world - 1),
+        "bcast": dg.broadcast_object(obj if rank == 1 else None, src=1),
+    }
+
+
+def unsupported_on(bad: int) -> list:
+    stats: list[Any] = [1, 2, 3, {"a"} if _rank() == bad else 4]
+    return dg.all_gather_object({"stats": stats})
+
+
+def broadcast_unsupported_from_src() -> Any:
+    return dg.broadcast_object(object() if _rank() == 0 else None, src=0)
+
+
+def too_large_on(bad: int, max_bytes: int) -> list:
+    payload = bytes(max_bytes * 2 if _rank() == bad else 10)
+    return dg.all_gather_object(payload, max_bytes=max_bytes)
+
+
+def corrupt_size_on(bad: int) -> list:
+    """Rank ``bad`` announces a 1 EiB object: every rank must refuse before allocating it."""
+    if _rank() == bad:
+        real = objects._header
+        objects._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
+    return dg.all_gather_object("x")
+
+
+def codec_differs_on(bad: int, marker: str) -> list:
+    if _rank() == bad:
+        return dg.all_gather_object(Evil(marker), codec="pickle")
+    return dg.all_gather_object(1)
+
+
+class Evil:
+    """Unpickling it creates the marker file: proof that a payload was unpickled."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.marker),))
+
+
+def pickle_under_data_codec_from(bad: int, marker: str) -> list:
+    """Rank ``bad`` is malicious: it sends a pickle while claiming the data codec."""
+    import pickle
+
+    if _rank() == bad:
+        objects.encode = lambda obj, codec: pickle.dumps(Evil(marker))  # type: ignore[assignment]
+    return dg.all_gather_object({"ok": True})
+
+
+def skip_a_call_on(bad: int) -> list:
+    if _rank() != bad:
+        dg.all_gather_object("first")
+    return dg.all_gather_object("second")
+
+
+def _same_line(obj: Any, timeout: float | None) -> list:
+    return dg.all_gather_object(obj, timeout=timeout)
+
+
+def gives_up_then_mispairs() -> Any:
+    """Rank 0 gives up on call #1 (timeout) and makes call #2; rank 1 makes call #1 late."""
+    if _rank() == 0:
+        first = capture(_same_line, "one", 1.0)
+        return first, capture(_same_line, "two", None)
+    time.sleep(3.0)
+    return capture(_same_line, "one", None)
+
+
+def never_arrives(missing: int, timeout: float, late_by: float) -> Any:
+    start = time.monotonic()
+    if _rank() == missing:
+        time.sleep(timeout + late_by)
+    result = capture(dg.all_gather_object, _rank(), timeout=timeout)
+    return result, time.monotonic() - start
+
+
+def straggler_then_recover(timeout: float) -> Any:
+    if _rank() == 1:
+        time.sleep(timeout + 2.0)
+    first = capture(_same_line, "first", timeout)
+    return first, _same_line(f"again-{_rank()}", 30.0)
+
+
+def many_calls_with_timeout(n: int) -> list:
+    return [dg.all_gather_object((i, _rank()), timeout=30)[1 - _rank()] for i in range(n)]
+
+
+def fake_nccl_on_shared_gpu() -> Any:
+    """NCCL seen by objects.py, every rank on cuda:0 of one host: must fail before any NCCL call."""
+    from ddpgraph import runtime
+
+    objects.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    runtime.device_identity = lambda device: "GPU-same"  # type: ignore[assignment]
+
+    def no_collective(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a collective ran before the device check")
+
+    objects._all_gather_single = no_collective
+    return capture(dg.all_gather_object, 1)
+
+
+def subgroup_gather() -> Any:
+    group = dist.new_group([1, 2])
+    if _rank() == 0:
+        return capture(dg.all_gather_object, 0, group=group)
+    return dg.all_gather_object(_rank() * 10, group=group), dg.broadcast_object(
+        "from-2" if _rank() == 2 else None, src=2, group=group
+    )
+
+
+# ---- compat ----
+
+
+def compat_matches_torch(size: int) -> Any:
+    rank, world = _rank(), dist.get_world_size()
+    obj = {"rank": rank, "data": list(range(size)), "set": {rank}}
+    theirs: list[Any] = [None] * world
+    dist.all_gather_object(theirs, obj)
+    compat.patch_torch()
+    try:
+        assert dist.all_gather_object is compat.all_gather_object
+        ours: list[Any] = [None] * world
+        dist.all_gather_object(ours, obj)
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(obj, gathered, dst=0)
+        blist = [obj, rank] if rank == 1 else [None, None]
+        dist.broadcast_object_list(blist, src=1)
+    finally:
+        compat.unpatch()
+    assert dist.all_gather_object is not compat.all_gather_object
+    return theirs, ours, gathered, blist
+
+
+def compat_bad_length(kind: str, bad: int) -> Any:
+    rank, world = _rank(), dist.get_world_size()
+    n = world + 1 if rank == bad else world
+    compat.patch_torch()
+    try:
+        if kind == "all_gather":
+            return capture(dist.all_gather_object, [None] * n, rank)
+        if kind == "gather":
+            return capture(dist.gather_object, rank, [None] * n if rank == 0 else None, dst=0)
+        return capture(dist.broadcast_object_list, [rank] * n, src=0)
+    finally:
+        compat.unpatch()
+
+
+def compat_unpicklable_on(bad: int) -> Any:
+    compat.patch_torch()
+    try:
+        obj = (lambda: 0) if _rank() == bad else 0
+        return capture(dist.all_gather_object, [None] * dist.get_world_size(), obj)
+    finally:
+        compat.unpatch()
+
+
+def env_rank() -> int:
+    return int(os.environ["RANK"])
