@@ -39,13 +39,20 @@ def object_for(rank: int, size: int) -> dict:
 
 
 def gather_all_three(sizes: list[int]) -> dict:
-    rank = _rank()
-    obj = object_for(rank, sizes[rank])
-    world = dist.get_world_size()
+    """Each result compared here with what every rank sent (tensors do not travel back well)."""
+    from .test_codec import same
+
+    rank, world = _rank(), dist.get_world_size()
+    expected = [object_for(r, sizes[r]) for r in range(world)]
+    gathered = dg.gather_object(expected[rank], dst=world - 1)
     return {
-        "all": dg.all_gather_object(obj),
-        "gather": dg.gather_object(obj, dst=world - 1),
-        "bcast": dg.broadcast_object(obj if rank == 1 else None, src=1),
+        "all": [
+            same(a, b) for a, b in zip(dg.all_gather_object(expected[rank]), expected, strict=True)
+        ],
+        "gather": None
+        if gathered is None
+        else [same(a, b) for a, b in zip(gathered, expected, strict=True)],
+        "bcast": same(dg.broadcast_object(expected[1] if rank == 1 else None, src=1), expected[1]),
     }
 
 
@@ -72,9 +79,8 @@ def corrupt_size_on(bad: int) -> list:
 
 
 def codec_differs_on(bad: int, marker: str) -> list:
-    if _rank() == bad:
-        return dg.all_gather_object(Evil(marker), codec="pickle")
-    return dg.all_gather_object(1)
+    obj, codec = (Evil(marker), "pickle") if _rank() == bad else (1, "data")
+    return dg.all_gather_object(obj, codec=codec)
 
 
 class Evil:
@@ -120,7 +126,10 @@ def never_arrives(missing: int, timeout: float, late_by: float) -> Any:
     if _rank() == missing:
         time.sleep(timeout + late_by)
     result = capture(dg.all_gather_object, _rank(), timeout=timeout)
-    return result, time.monotonic() - start
+    elapsed = time.monotonic() - start
+    if _rank() != missing:
+        time.sleep(late_by + 1.0)  # keep rank 0's store up for the late rank
+    return result, elapsed
 
 
 def straggler_then_recover(timeout: float) -> Any:

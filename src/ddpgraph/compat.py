@@ -145,4 +145,5 @@ def _global_root(what: str, root: int | None, group_root: int | None, group: Any
     if not dist.is_initialized():
         return group_root
     pg = group if group is not None else dist.group.WORLD
+    assert pg is not None
     return dist.get_global_rank(pg, group_root)

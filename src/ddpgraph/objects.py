@@ -234,12 +234,15 @@ def _group_rank(name: str, pg: dist.ProcessGroup | None, root: int) -> int:
             raise ValueError(f"{name}: {what}={root}, but without a process group only 0 exists.")
         return 0
     try:
-        return dist.get_group_rank(pg, root)
+        group_rank = dist.get_group_rank(pg, root)
     except (ValueError, RuntimeError):
+        group_rank = -1
+    if not 0 <= group_rank < dist.get_world_size(pg):
         raise ValueError(
             f"{name}: {what}={root} is not a (global) rank of this group of "
             f"{dist.get_world_size(pg)}; pass the global rank of a member."
-        ) from None
+        )
+    return group_rank
 
 
 def _as_timeout(name: str, timeout: float | timedelta | None) -> timedelta | None:
