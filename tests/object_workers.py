@@ -98,7 +98,7 @@ def pickle_under_data_codec_from(bad: int, marker: str) -> list:
     import pickle
 
     if _rank() == bad:
-        objects.encode = lambda obj, codec: pickle.dumps(Evil(marker))  # type: ignore[assignment]
+        objects.encode_parts = lambda obj, codec: [pickle.dumps(Evil(marker))]  # type: ignore[assignment]
     return dg.all_gather_object({"ok": True})
 
 

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import pickle
+import struct
 from collections import OrderedDict, namedtuple
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -198,12 +200,26 @@ def test_pickle_payload_is_never_unpickled_by_the_data_codec(tmp_path):
     assert marker.exists()
 
 
+def framed(body: bytes, buffers: bytes = b"") -> bytes:
+    """A data-codec payload built by hand: [u64 body length][msgpack body][array bytes]."""
+    return struct.pack("<Q", len(body)) + body + buffers
+
+
+def tensor_ext(dtype: str, shape: list, offset: int) -> msgpack.ExtType:
+    return msgpack.ExtType(1, msgpack.packb([dtype, shape, offset]))
+
+
 @pytest.mark.parametrize(
     "payload",
     [
-        b"\xc7\x03\x63abc",  # extension type 99: unknown
-        b"\xc7\x02\x01\x00\x00",  # tensor extension, truncated header
-        b"\x92\x01",  # array of 2 with 1 element
+        b"",
+        b"\x01\x00",  # shorter than the frame
+        struct.pack("<Q", 99) + b"\x90",  # body longer than the payload
+        framed(b"\xc7\x03\x63abc"),  # extension type 99: unknown
+        framed(b"\x92\x01"),  # array of 2 with 1 element
+        framed(msgpack.packb(tensor_ext("float32", [4], 0)), bytes(15)),  # 15 of 16 bytes
+        framed(msgpack.packb(tensor_ext("float32", [1], -4)), bytes(8)),  # negative offset
+        framed(msgpack.packb(tensor_ext("float32", ["x"], 0)), bytes(8)),
         encode(torch.ones(4))[:-3],  # truncated tensor bytes
     ],
 )
@@ -213,14 +229,26 @@ def test_corrupt_payloads_raise_decode_error(payload):
 
 
 def test_decoder_refuses_a_dtype_name_it_does_not_know():
-    import struct
-
-    import msgpack
-
-    meta = msgpack.packb(["os.system", [1]])
-    ext = msgpack.ExtType(1, struct.pack("<I", len(meta)) + meta + b"\0")
+    payload = framed(msgpack.packb(tensor_ext("os.system", [1], 0)), b"\0")
     with pytest.raises(DecodeError, match=r"unknown tensor dtype 'os\.system'"):
-        decode(msgpack.packb(ext))
+        decode(payload)
+
+
+def test_refuses_object_dtype_arrays_in_payloads():
+    payload = framed(msgpack.packb(msgpack.ExtType(2, msgpack.packb(["|O", [1], 0]))), bytes(8))
+    with pytest.raises(DecodeError, match="refusing numpy dtype"):
+        decode(payload)
+
+
+def test_large_tensors_travel_outside_the_msgpack_body():
+    from ddpgraph.codec import encode_parts
+
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    parts = encode_parts({"a": t, "b": (t[:10].to(torch.bfloat16),)})
+    assert [len(p) for p in parts[2:]] == [t.nbytes, 20]
+    assert len(parts[1]) < 100  # only dtype, shape and offset in the body
+    out = decode(b"".join(parts))
+    assert torch.equal(out["a"], t) and out["b"][0].dtype == torch.bfloat16
 
 
 def test_pickle_codec_carries_arbitrary_objects_with_tensors_on_cpu():

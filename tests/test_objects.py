@@ -7,6 +7,7 @@ import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
+from ddpgraph.codec import encode
 from ddpgraph.errors import DistributedStateError
 from ddpgraph.testing import run_distributed
 
@@ -122,7 +123,7 @@ def test_object_over_the_cap_on_one_rank():
         results,
         ObjectCollectiveError,
         "failed on ranks [0]",
-        "2003 bytes encoded, over max_bytes=1000",
+        f"{len(encode(bytes(2000)))} bytes encoded, over max_bytes=1000",
     )
 
 

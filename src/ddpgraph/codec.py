@@ -25,13 +25,13 @@ import json
 import pickle
 import struct
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 import numpy as np
 import torch
 
-__all__ = ["CODECS", "DecodeError", "UnsupportedTypeError", "decode", "encode"]
+__all__ = ["CODECS", "DecodeError", "UnsupportedTypeError", "decode", "encode", "encode_parts"]
 
 # The codec ids travel in every collective header, so they must never be renumbered.
 CODECS: dict[str, int] = {"data": 1, "pickle": 2}
@@ -47,7 +47,7 @@ _EXT_TUPLE = 5
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
-_PREFIX = struct.Struct("<I")  # length of the msgpack meta block in front of raw array bytes
+_FRAME = struct.Struct("<Q")  # length of the msgpack body, in front of the array bytes
 
 _PICKLE_HINT = (
     'pass codec="pickle" to send arbitrary objects (only between trusted ranks: unpickling runs '
@@ -65,66 +65,96 @@ class DecodeError(ValueError):
 
 def encode(obj: Any, codec: str = "data") -> bytes:
     """Serialize ``obj`` with ``codec`` ("data" or "pickle"); raise with the path of a bad value."""
+    return b"".join(encode_parts(obj, codec))
+
+
+def encode_parts(obj: Any, codec: str = "data") -> list[bytes | memoryview]:
+    """:func:`encode` as pieces to be concatenated, without copying tensor or array data.
+
+    The pieces may be views of the tensors' own memory: copy them out before those change.
+    """
     if codec == "data":
-        return _encode_data(obj)
+        return _Encoder().encode(obj)
     if codec == "pickle":
-        return _encode_pickle(obj)
+        return [_encode_pickle(obj)]
     raise ValueError(f"codec={codec!r} is not one of {sorted(CODECS)}")
 
 
 def decode(payload: bytes | memoryview, codec: str = "data") -> Any:
     """Inverse of :func:`encode`. Tensors are returned on the CPU. Raises :class:`DecodeError`."""
     if codec == "data":
-        return _decode_data(payload)
+        return _decode_data(memoryview(payload))
     if codec == "pickle":
         return _decode_pickle(payload)
     raise ValueError(f"codec={codec!r} is not one of {sorted(CODECS)}")
 
 
 # ---- data codec: encoding ----
+#
+# A data payload is  [u64 length of the msgpack body][msgpack body][array bytes…]. Tensors and
+# arrays leave only (dtype, shape, offset) in the body; their bytes follow it, so that a 64 MB
+# tensor is copied once into the send buffer and once out of the receive buffer, instead of
+# through msgpack's buffers several times.
 
 
-def _default(obj: Any) -> msgpack.ExtType:
-    """msgpack calls this for every value it has no native (strict) type for."""
-    kind = type(obj)
-    if kind is int:  # msgpack handles -2**63 .. 2**64-1 itself and calls us beyond that
-        return msgpack.ExtType(_EXT_BIGINT, _int_to_bytes(obj))
-    if kind is tuple:
-        return msgpack.ExtType(_EXT_TUPLE, _pack(list(obj)))
-    if isinstance(obj, torch.Tensor):
-        problem = _tensor_problem(obj)
-        if problem:
-            raise UnsupportedTypeError(problem)
-        return msgpack.ExtType(_EXT_TENSOR, _tensor_to_bytes(obj))
-    if kind is np.ndarray:
-        problem = _ndarray_problem(obj)
-        if problem:
-            raise UnsupportedTypeError(problem)
-        return msgpack.ExtType(_EXT_NDARRAY, _array_to_bytes(obj))
-    if isinstance(obj, np.generic) and _dtype_problem(obj.dtype) is None:
-        return msgpack.ExtType(_EXT_NPSCALAR, _array_to_bytes(np.asarray(obj)))
-    raise UnsupportedTypeError(f"type {kind.__module__}.{kind.__qualname__}")
+class _Encoder:
+    def __init__(self) -> None:
+        self.buffers: list[memoryview] = []
+        self.offset = 0  # where the next buffer starts, after the body
+
+    def encode(self, obj: Any) -> list[bytes | memoryview]:
+        try:
+            body = self.pack(obj)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise _unsupported(obj, exc) from None
+        return [_FRAME.pack(len(body)), body, *self.buffers]
+
+    def pack(self, obj: Any) -> bytes:
+        # strict_types: a tuple, an int subclass or an OrderedDict reaches default() instead of
+        # being silently turned into a list / int / dict.
+        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+
+    def default(self, obj: Any) -> msgpack.ExtType:
+        """msgpack calls this for every value it has no native (strict) type for."""
+        kind = type(obj)
+        if kind is int:  # msgpack handles -2**63 .. 2**64-1 itself and calls us beyond that
+            return msgpack.ExtType(_EXT_BIGINT, _int_to_bytes(obj))
+        if kind is tuple:
+            return msgpack.ExtType(_EXT_TUPLE, self.pack(list(obj)))
+        if isinstance(obj, torch.Tensor):
+            problem = _tensor_problem(obj)
+            if problem:
+                raise UnsupportedTypeError(problem)
+            return self.array(
+                _EXT_TENSOR, str(obj.dtype).removeprefix("torch."), obj.shape, _tensor_bytes(obj)
+            )
+        if kind is np.ndarray:
+            problem = _dtype_problem(obj.dtype)
+            if problem:
+                raise UnsupportedTypeError(problem)
+            return self.array(_EXT_NDARRAY, obj.dtype.str, obj.shape, _array_bytes(obj))
+        if isinstance(obj, np.generic) and _dtype_problem(obj.dtype) is None:
+            raw = bytes(_array_bytes(np.asarray(obj)))
+            return msgpack.ExtType(_EXT_NPSCALAR, self.pack([obj.dtype.str, raw]))
+        raise UnsupportedTypeError(f"type {kind.__module__}.{kind.__qualname__}")
+
+    def array(self, code: int, dtype: str, shape: Any, raw: memoryview) -> msgpack.ExtType:
+        meta = self.pack([dtype, list(shape), self.offset])
+        self.buffers.append(raw)
+        self.offset += raw.nbytes
+        return msgpack.ExtType(code, meta)
 
 
-def _pack(obj: Any) -> bytes:
-    # strict_types: a tuple, a bool-like int subclass or an OrderedDict reaches _default instead
-    # of being silently flattened to a list / int / dict.
-    return msgpack.packb(obj, default=_default, strict_types=True, use_bin_type=True)
-
-
-def _encode_data(obj: Any) -> bytes:
-    try:
-        return _pack(obj)
-    except (TypeError, ValueError, OverflowError) as exc:
-        where = _find_unsupported(obj, "obj", set(), 0)
-        if where is None:
-            raise UnsupportedTypeError(f'codec="data" cannot encode the object: {exc}') from None
-        path, what = where
-        raise UnsupportedTypeError(
-            f'{path} is {what}, which codec="data" cannot send; convert it to None, bool, int, '
-            "float, str, bytes, list, tuple, dict, a torch.Tensor or a numpy array, or "
-            f"{_PICKLE_HINT}."
-        ) from None
+def _unsupported(obj: Any, exc: Exception) -> UnsupportedTypeError:
+    where = _find_unsupported(obj, "obj", set(), 0)
+    if where is None:
+        return UnsupportedTypeError(f'codec="data" cannot encode the object: {exc}')
+    path, what = where
+    return UnsupportedTypeError(
+        f'{path} is {what}, which codec="data" cannot send; convert it to None, bool, int, '
+        "float, str, bytes, list, tuple, dict, a torch.Tensor or a numpy array, or "
+        f"{_PICKLE_HINT}."
+    )
 
 
 def _int_to_bytes(value: int) -> bytes:
@@ -145,13 +175,13 @@ def _tensor_problem(t: torch.Tensor) -> str | None:
     return None
 
 
-def _tensor_to_bytes(t: torch.Tensor) -> bytes:
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
     # .cpu() copies from the tensor's own device (no new CUDA context: it already lives there);
     # viewing as bytes carries every dtype, bfloat16 included, which numpy cannot represent.
     flat = t.detach().cpu().contiguous().reshape(-1)
-    meta = _pack([str(t.dtype).removeprefix("torch."), list(t.shape)])
-    raw = flat.view(torch.uint8).numpy().data if flat.numel() else b""
-    return b"".join((_PREFIX.pack(len(meta)), meta, raw))
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return flat.view(torch.uint8).numpy().data
 
 
 def _dtype_problem(dtype: np.dtype) -> str | None:
@@ -160,15 +190,10 @@ def _dtype_problem(dtype: np.dtype) -> str | None:
     return None
 
 
-def _ndarray_problem(a: np.ndarray) -> str | None:
-    return _dtype_problem(a.dtype)
-
-
-def _array_to_bytes(a: np.ndarray) -> bytes:
+def _array_bytes(a: np.ndarray) -> memoryview:
     if not a.flags.c_contiguous:
         a = a.copy(order="C")  # not np.ascontiguousarray: it turns a 0-d array into shape (1,)
-    meta = _pack([a.dtype.str, list(a.shape)])
-    return b"".join((_PREFIX.pack(len(meta)), meta, a.reshape(-1).view(np.uint8).data))
+    return a.reshape(-1).view(np.uint8).data
 
 
 def _find_unsupported(obj: Any, path: str, seen: set[int], depth: int) -> tuple[str, str] | None:
@@ -199,7 +224,7 @@ def _find_unsupported(obj: Any, path: str, seen: set[int], depth: int) -> tuple[
         problem = _tensor_problem(obj)
         return (path, problem) if problem else None
     if kind is np.ndarray:
-        problem = _ndarray_problem(obj)
+        problem = _dtype_problem(obj.dtype)
         return (path, problem) if problem else None
     if isinstance(obj, np.generic) and _dtype_problem(obj.dtype) is None:
         return None
@@ -213,74 +238,96 @@ def _key_text(key: Any) -> str:
 # ---- data codec: decoding ----
 
 
-def _decode_data(payload: bytes | memoryview) -> Any:
+def _decode_data(payload: memoryview) -> Any:
     try:
-        return msgpack.unpackb(
-            payload, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True
-        )
-    except DecodeError:
-        raise
+        (body_len,) = _FRAME.unpack_from(payload)
+        body_end = _FRAME.size + body_len
+        if body_end > len(payload):
+            raise DecodeError(f"body of {body_len} bytes in a payload of {len(payload)}")
+        return _Decoder(payload[body_end:]).unpack(payload[_FRAME.size : body_end])
+    except DecodeError as exc:
+        raise DecodeError(f"not a valid data-codec payload ({exc})") from None
     except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError…)
         raise DecodeError(f"not a valid data-codec payload ({type(exc).__name__}: {exc})") from None
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    handler = _EXT_DECODERS.get(code)
-    if handler is None:
+class _Decoder:
+    def __init__(self, buffers: memoryview) -> None:
+        self.buffers = buffers  # the array bytes that follow the body
+
+    def unpack(self, body: memoryview | bytes) -> Any:
+        return msgpack.unpackb(
+            body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
+        )
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        if code == _EXT_BIGINT:
+            return int.from_bytes(data, "little", signed=True)
+        if code == _EXT_TUPLE:
+            return tuple(self.unpack(data))
+        if code == _EXT_TENSOR:
+            return self.tensor(data)
+        if code == _EXT_NDARRAY:
+            dtype, shape, raw = self.array_meta(data, _numpy_dtype)
+            return np.frombuffer(raw, dtype=np.uint8).copy().view(dtype).reshape(shape)
+        if code == _EXT_NPSCALAR:
+            meta = msgpack.unpackb(data, raw=False)
+            if not (isinstance(meta, list) and len(meta) == 2 and isinstance(meta[1], bytes)):
+                raise DecodeError(f"bad numpy scalar {meta!r}")
+            dtype = _numpy_dtype(meta[0])
+            if len(meta[1]) != dtype.itemsize:
+                raise DecodeError(f"numpy scalar of {dtype} with {len(meta[1])} bytes")
+            return np.frombuffer(meta[1], dtype=dtype)[0]
         raise DecodeError(f"unknown extension type {code}")
-    return handler(data)
+
+    def tensor(self, data: bytes) -> torch.Tensor:
+        dtype, shape, raw = self.array_meta(data, _torch_dtype)
+        if not raw.nbytes:
+            return torch.empty(shape, dtype=dtype)
+        # one copy, through numpy (no warning for read-only input), into memory the tensor owns
+        flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+        return flat.view(dtype).reshape(shape)
+
+    def array_meta(
+        self, data: bytes, to_dtype: Callable[[str], Any]
+    ) -> tuple[Any, list[int], memoryview]:
+        meta = msgpack.unpackb(data, raw=False)
+        if (
+            not isinstance(meta, list)
+            or len(meta) != 3
+            or not isinstance(meta[0], str)
+            or not isinstance(meta[1], list)
+            or not all(type(n) is int and n >= 0 for n in meta[1])
+            or type(meta[2]) is not int
+            or meta[2] < 0
+        ):
+            raise DecodeError(f"bad array header {meta!r}")
+        name, shape, offset = meta
+        dtype = to_dtype(name)
+        nbytes = _numel(shape) * dtype.itemsize
+        if offset + nbytes > len(self.buffers):
+            raise DecodeError(
+                f"array {name}{shape} needs bytes {offset}..{offset + nbytes}, the payload has "
+                f"{len(self.buffers)}"
+            )
+        return dtype, shape, self.buffers[offset : offset + nbytes]
 
 
-def _split_meta(data: bytes) -> tuple[str, list[int], memoryview]:
-    view = memoryview(data)
-    if len(view) < _PREFIX.size:
-        raise DecodeError("truncated array header")
-    (meta_len,) = _PREFIX.unpack_from(view)
-    end = _PREFIX.size + meta_len
-    meta = msgpack.unpackb(view[_PREFIX.size : end], raw=False)
-    if (
-        not isinstance(meta, list)
-        or len(meta) != 2
-        or not isinstance(meta[0], str)
-        or not all(type(n) is int and n >= 0 for n in meta[1])
-    ):
-        raise DecodeError(f"bad array header {meta!r}")
-    return meta[0], meta[1], view[end:]
-
-
-def _decode_tensor(data: bytes) -> torch.Tensor:
-    name, shape, raw = _split_meta(data)
+def _torch_dtype(name: str) -> torch.dtype:
     dtype = _TORCH_DTYPES.get(name)
     if dtype is None:
         raise DecodeError(f"unknown tensor dtype {name!r}")
-    expected = _numel(shape) * dtype.itemsize
-    if len(raw) != expected:
-        raise DecodeError(f"tensor {name}{shape} needs {expected} bytes, payload has {len(raw)}")
-    if expected == 0:
-        return torch.empty(shape, dtype=dtype)
-    # bytearray: one copy into memory the tensor may own and write to.
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+    return dtype
 
 
-def _decode_array(data: bytes) -> np.ndarray:
-    name, shape, raw = _split_meta(data)
+def _numpy_dtype(name: str) -> np.dtype:
     try:
         dtype = np.dtype(name)
     except TypeError:
         raise DecodeError(f"unknown numpy dtype {name!r}") from None
     if _dtype_problem(dtype):
         raise DecodeError(f"refusing numpy dtype {name!r}")
-    expected = _numel(shape) * dtype.itemsize
-    if len(raw) != expected:
-        raise DecodeError(f"array {name}{shape} needs {expected} bytes, payload has {len(raw)}")
-    return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-
-
-def _decode_scalar(data: bytes) -> np.generic:
-    array = _decode_array(data)
-    if array.shape != ():
-        raise DecodeError(f"numpy scalar with shape {array.shape}")
-    return cast(np.generic, array[()])
+    return dtype
 
 
 def _numel(shape: list[int]) -> int:
@@ -288,15 +335,6 @@ def _numel(shape: list[int]) -> int:
     for size in shape:
         n *= size
     return n
-
-
-_EXT_DECODERS: dict[int, Callable[[bytes], Any]] = {
-    _EXT_TENSOR: _decode_tensor,
-    _EXT_NDARRAY: _decode_array,
-    _EXT_NPSCALAR: _decode_scalar,
-    _EXT_BIGINT: lambda data: int.from_bytes(data, "little", signed=True),
-    _EXT_TUPLE: lambda data: tuple(_decode_data(data)),
-}
 
 
 # ---- pickle codec ----

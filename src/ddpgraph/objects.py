@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .codec import CODECS, DecodeError, decode, encode
+from .codec import CODECS, DecodeError, decode, encode_parts
 from .errors import (
     CollectiveTimeout,
     DistributedStateError,
@@ -49,8 +49,9 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 # One slot per rank in the first round. Objects whose payload fits next to the header travel in
 # that single collective; larger ones send only the header there and their bytes in a second
-# round. 4 KiB holds typical metrics dicts and costs the same as a few bytes on gloo and NCCL.
-_SLOT = 4096
+# round. 16 KiB holds typical metrics dicts; on gloo (2 ranks, measured) a collective of 16 KiB
+# per rank costs the same as one of 100 bytes (0.25 ms); to be checked on NCCL.
+_SLOT = 16384
 _MAGIC = b"DGOC"
 _VERSION = 1
 # magic, version, status, op, codec, root, arg, seq, site hash, size, max_bytes, site text
@@ -291,11 +292,13 @@ _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState] = weakref.Wea
 
 def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
     """Run the protocol; return each rank's payload where this rank needs it, else None."""
-    status, payload = _encode(call, obj if send else None)
+    status, parts = _encode(call, obj if send else None)
     if not send and status == _OK:
-        payload = b""  # a receiver of broadcast_object sends only its header
+        parts = []  # a receiver of broadcast_object sends only its header
+    size = sum(len(p) for p in parts)
     if call.group is None or call.world_size == 1:
-        slot = memoryview(_header(call, 1, status, len(payload)) + payload[:_INLINE])
+        payload = b"".join(parts)
+        slot = memoryview(_header(call, 1, status, size) + payload[:_INLINE])
         _raise_on_problems(call, [_parse_header(slot)], [slot])
         return [memoryview(payload)]
     state = _groups.setdefault(call.group, _GroupState())
@@ -303,26 +306,35 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
     state.seq += 1
     if call.timeout is not None:
         _await_arrivals(call, state.seq)
-    header = _header(call, state.seq, status, len(payload))
-    slots = _first_round(call, device, header, payload)
+    header = _header(call, state.seq, status, size)
+    slots = _first_round(call, device, header, parts, size)
     headers = [_parse_header(slots[r]) for r in range(call.world_size)]
     _raise_on_problems(call, headers, slots)
-    return _second_round(call, device, headers, slots, payload)
+    return _second_round(call, device, headers, slots, parts, size)
 
 
-def _encode(call: _Call, obj: Any) -> tuple[int, bytes]:
+def _encode(call: _Call, obj: Any) -> tuple[int, list[bytes | memoryview]]:
+    """The status and the payload's pieces (views of tensor memory: copied once, when sent)."""
     if call.argument_error is not None:
-        return _BAD_ARGUMENT, call.argument_error.encode()
+        return _BAD_ARGUMENT, [call.argument_error.encode()]
     try:
-        payload = encode(obj, call.codec)
+        parts = encode_parts(obj, call.codec)
     except Exception as exc:  # any failure is reported by every rank, not raised here alone
-        return _ENCODE_FAILED, f"cannot encode its object: {exc}".encode()
-    if len(payload) > call.max_bytes:
-        return _TOO_LARGE, (
-            f"its object is {len(payload)} bytes encoded, over max_bytes={call.max_bytes}; "
-            "send less (e.g. reduce tensors first) or raise max_bytes="
-        ).encode()
-    return _OK, payload
+        return _ENCODE_FAILED, [f"cannot encode its object: {exc}".encode()]
+    size = sum(len(p) for p in parts)
+    if size > call.max_bytes:
+        return _TOO_LARGE, [
+            f"its object is {size} bytes encoded, over max_bytes={call.max_bytes}; "
+            "send less (e.g. reduce tensors first) or raise max_bytes=".encode()
+        ]
+    return _OK, parts
+
+
+def _write(parts: list[bytes | memoryview], into: memoryview) -> None:
+    offset = 0
+    for part in parts:
+        into[offset : offset + len(part)] = part
+        offset += len(part)
 
 
 def _header(call: _Call, seq: int, status: int, size: int) -> bytes:
@@ -435,12 +447,12 @@ _all_gather_single: Callable[..., Any] = getattr(
 
 
 def _first_round(
-    call: _Call, device: torch.device, header: bytes, payload: bytes
+    call: _Call, device: torch.device, header: bytes, parts: list[bytes | memoryview], size: int
 ) -> list[memoryview | None]:
     slot = bytearray(_SLOT)
     slot[: _HEADER.size] = header
-    if len(payload) <= _INLINE:
-        slot[_HEADER.size : _HEADER.size + len(payload)] = payload
+    if size <= _INLINE:
+        _write(parts, memoryview(slot)[_HEADER.size :])
     out = _gather_slots(call, device, torch.frombuffer(slot, dtype=torch.uint8), _SLOT)
     view = out.numpy().data
     return [view[r * _SLOT : (r + 1) * _SLOT] for r in range(call.world_size)]
@@ -451,22 +463,24 @@ def _second_round(
     device: torch.device,
     headers: list[_Header | str],
     slots: list[memoryview | None],
-    payload: bytes,
+    parts: list[bytes | memoryview],
+    size: int,
 ) -> list[memoryview | None]:
     """Inline payloads from the slots; the rest in one more collective sized from the headers."""
     sizes = [h.size for h in headers if isinstance(h, _Header)]
     result: list[memoryview | None] = []
-    for slot, size in zip(slots, sizes, strict=True):
+    for slot, n in zip(slots, sizes, strict=True):
         assert slot is not None
-        result.append(slot[_HEADER.size : _HEADER.size + size] if size <= _INLINE else None)
+        result.append(slot[_HEADER.size : _HEADER.size + n] if n <= _INLINE else None)
     large = [r for r, size in enumerate(sizes) if size > _INLINE]
     if not large:
         return result
     # Sizes were checked against max_bytes before this point: nothing below allocates more.
     width = max(sizes[r] for r in large)
-    send = torch.zeros(width, dtype=torch.uint8)
-    if len(payload) > _INLINE:
-        send[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    send = torch.empty(width, dtype=torch.uint8)
+    if size > _INLINE:
+        _write(parts, send.numpy().data)  # the one copy of tensor data on the way out
+    send[size if size > _INLINE else 0 :].zero_()  # padding: send zeros, not stale memory
     if call.name == "broadcast_object":
         received = _broadcast_bytes(call, device, send)
         result[call.root] = received.numpy().data[: sizes[call.root]]
