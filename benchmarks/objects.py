@@ -3,7 +3,8 @@
 Times ``ddpgraph.all_gather_object`` (data codec, and pickle codec) against
 ``torch.distributed.all_gather_object`` and one raw tensor all-gather of the same number of bytes,
 for objects of about 100 B, 10 KB, 1 MB and 64 MB. Every call is preceded by a barrier (not
-timed); each rank takes the median of its calls and the slowest rank's median is reported.
+timed) and the methods take turns call by call; each rank takes the median of its calls and
+the slowest rank's median is reported.
 
     python benchmarks/objects.py                       # gloo, 2 local ranks (spawned here)
     torchrun --nproc-per-node=2 benchmarks/objects.py --backend nccl   # on a GPU machine
@@ -52,17 +53,20 @@ def make_object(case: str, rank: int) -> Any:
     return {"rank": rank, "weights": torch.randn(numel, generator=gen)}
 
 
-def _timed(fn: Callable[[], Any], iters: int, sync: Callable[[], None]) -> float:
-    times = []
+def _timed(methods: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], None]) -> dict:
+    """Median seconds per call of each method, interleaved call by call so that load from
+    elsewhere on the machine falls on all methods alike."""
+    times: dict[str, list[float]] = {name: [] for name in methods}
     for i in range(WARMUP + iters):
-        dist.barrier()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        if i >= WARMUP:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in methods.items():
+            dist.barrier()
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            if i >= WARMUP:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def measure(backend: str, quick: bool) -> dict[str, Any] | None:
@@ -85,7 +89,7 @@ def measure(backend: str, quick: bool) -> dict[str, Any] | None:
             "ddpgraph_pickle": lambda obj=obj: dg.all_gather_object(obj, codec="pickle"),
             "raw_all_gather": lambda i=raw_in, o=raw_out: _ALL_GATHER(o, i),
         }
-        medians = {name: _timed(fn, iters, sync) for name, fn in methods.items()}
+        medians = _timed(methods, iters, sync)
         # the slowest rank's median: the job waits for it
         per_rank = dg.all_gather_object(medians)
         worst = {name: max(m[name] for m in per_rank) for name in medians}

@@ -215,3 +215,13 @@ def compat_unpicklable_on(bad: int) -> Any:
 
 def env_rank() -> int:
     return int(os.environ["RANK"])
+
+
+def on_a_group_torch_made() -> Any:
+    """No ddpgraph.init: the application made the group itself (env:// from the launcher vars)."""
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        return dg.all_gather_object({"rank": rank}), dg.broadcast_object(rank or "zero", src=0)
+    finally:
+        dist.destroy_process_group()

@@ -220,3 +220,8 @@ def test_timeout_grace_is_small():
     results = run_distributed(w.never_arrives, 2, args=(1, 1.0, 0.5), timeout=60)
     assert isinstance(results[0][0], CollectiveTimeout)
     assert time.monotonic() - start < 30
+
+
+def test_works_on_a_group_torch_made_without_ddpgraph_init():
+    results = run_distributed(w.on_a_group_torch_made, 2, init=False, timeout=60)
+    assert results == [([{"rank": 0}, {"rank": 1}], "zero")] * 2
