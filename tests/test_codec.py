@@ -261,3 +261,11 @@ def test_pickle_codec_carries_arbitrary_objects_with_tensors_on_cpu():
 def test_unknown_codec():
     with pytest.raises(ValueError, match="codec='json' is not one of"):
         encode(1, "json")
+
+
+@pytest.mark.parametrize(
+    "value", [np.str_(""), np.str_("ab"), np.bytes_(b""), np.float16(1.5), np.bool_(True)]
+)
+def test_numpy_scalars_of_every_width(value):
+    out = decode(encode(value))
+    assert type(out) is type(value) and out == value

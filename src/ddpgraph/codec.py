@@ -134,8 +134,10 @@ class _Encoder:
                 raise UnsupportedTypeError(problem)
             return self.array(_EXT_NDARRAY, obj.dtype.str, obj.shape, _array_bytes(obj))
         if isinstance(obj, np.generic) and _dtype_problem(obj.dtype) is None:
-            raw = bytes(_array_bytes(np.asarray(obj)))
-            return msgpack.ExtType(_EXT_NPSCALAR, self.pack([obj.dtype.str, raw]))
+            # the array's dtype, not the scalar's: np.str_("") has dtype <U0 but 4 bytes
+            array = np.asarray(obj)
+            raw = bytes(_array_bytes(array))
+            return msgpack.ExtType(_EXT_NPSCALAR, self.pack([array.dtype.str, raw]))
         raise UnsupportedTypeError(f"type {kind.__module__}.{kind.__qualname__}")
 
     def array(self, code: int, dtype: str, shape: Any, raw: memoryview) -> msgpack.ExtType:
