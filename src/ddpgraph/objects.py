@@ -260,9 +260,16 @@ def _call_site() -> tuple[int, str]:
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_globals.get("__name__") in _OUR_MODULES:
         frame = frame.f_back
-    code = frame.f_code
-    text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
-    return zlib.crc32(f"{text}:{code.co_name}".encode()), text
+    key = (frame.f_code, frame.f_lineno)
+    site = _sites.get(key)
+    if site is None:  # a dict hit is several times cheaper than hashing the text every call
+        code = frame.f_code
+        text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
+        site = _sites[key] = (zlib.crc32(f"{text}:{code.co_name}".encode()), text)
+    return site
+
+
+_sites: dict[tuple[object, int], tuple[int, str]] = {}
 
 
 # ---- the exchange ----
@@ -285,6 +292,8 @@ class _Header(NamedTuple):
 class _GroupState:
     seq: int = 0  # object collectives this rank has entered on the group
     devices_checked: bool = False
+    on_cpu: bool | None = None  # the group's backend carries CPU tensors (gloo); found once
+    slots: _Slots | None = None
 
 
 _groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState] = weakref.WeakKeyDictionary()
@@ -307,7 +316,7 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
     if call.timeout is not None:
         _await_arrivals(call, state.seq)
     header = _header(call, state.seq, status, size)
-    slots = _first_round(call, device, header, parts, size)
+    slots = _first_round(call, device, state, header, parts, size)
     headers = [_parse_header(slots[r]) for r in range(call.world_size)]
     _raise_on_problems(call, headers, slots)
     return _second_round(call, device, headers, slots, parts, size)
@@ -370,8 +379,10 @@ def _parse_header(slot: memoryview | None) -> _Header | str:
 def _device_for(call: _Call, state: _GroupState) -> torch.device:
     """CPU where the group has gloo; else this rank's current CUDA device, checked unique once."""
     assert call.group is not None
-    backend = str(dist.get_backend(call.group)).lower()
-    if "gloo" in backend or "nccl" not in backend:
+    if state.on_cpu is None:
+        backend = str(dist.get_backend(call.group)).lower()
+        state.on_cpu = "gloo" in backend or "nccl" not in backend
+    if state.on_cpu:
         return torch.device("cpu")
     device = torch.device("cuda", torch.cuda.current_device())
     if not state.devices_checked:
@@ -446,16 +457,39 @@ _all_gather_single: Callable[..., Any] = getattr(
 )
 
 
+class _Slots:
+    """The first round's host buffers, kept per group: a small call then allocates nothing.
+
+    Reusing them is safe because every payload is decoded (copied out) before the call returns.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.send = torch.zeros(_SLOT, dtype=torch.uint8)
+        self.send_view = self.send.numpy().data
+        self.recv = torch.empty(world_size * _SLOT, dtype=torch.uint8)
+        view = self.recv.numpy().data
+        self.recv_views = [view[r * _SLOT : (r + 1) * _SLOT] for r in range(world_size)]
+
+
 def _first_round(
-    call: _Call, device: torch.device, header: bytes, parts: list[bytes | memoryview], size: int
+    call: _Call,
+    device: torch.device,
+    state: _GroupState,
+    header: bytes,
+    parts: list[bytes | memoryview],
+    size: int,
 ) -> list[memoryview | None]:
-    slot = bytearray(_SLOT)
-    slot[: _HEADER.size] = header
+    if state.slots is None:
+        state.slots = _Slots(call.world_size)
+    slots = state.slots
+    slots.send_view[: _HEADER.size] = header
     if size <= _INLINE:
-        _write(parts, memoryview(slot)[_HEADER.size :])
-    out = _gather_slots(call, device, torch.frombuffer(slot, dtype=torch.uint8), _SLOT)
-    view = out.numpy().data
-    return [view[r * _SLOT : (r + 1) * _SLOT] for r in range(call.world_size)]
+        _write(parts, slots.send_view[_HEADER.size :])
+    if device.type == "cpu":
+        _all_gather_single(slots.recv, slots.send, group=call.group)
+    else:
+        slots.recv.copy_(_gather_slots(call, device, slots.send, _SLOT))
+    return list(slots.recv_views)
 
 
 def _second_round(
@@ -531,6 +565,15 @@ def _raise_on_problems(
             ranks,
         )
     good = [h for h in headers if isinstance(h, _Header)]
+    first = good[0]
+    if all(
+        h.status == _OK
+        and h.size <= h.max_bytes
+        and h[1:7] == first[1:7]
+        and h.max_bytes == first.max_bytes
+        for h in good
+    ):
+        return  # the common case, decided without building any message
     _raise_on_mismatch(good)
     _raise_on_status(good, slots)
     _raise_on_size(good)
