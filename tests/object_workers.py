@@ -225,3 +225,12 @@ def on_a_group_torch_made() -> Any:
         return dg.all_gather_object({"rank": rank}), dg.broadcast_object(rank or "zero", src=0)
     finally:
         dist.destroy_process_group()
+
+
+class Unpicklable:
+    def __reduce__(self) -> Any:
+        raise TypeError("x" * 40_000 + " END")
+
+
+def long_error_on(bad: int) -> list:
+    return dg.all_gather_object(Unpicklable() if _rank() == bad else 1, codec="pickle")

@@ -216,3 +216,11 @@ def test_subgroup_uses_group_ranks_and_refuses_outsiders():
 def test_works_on_a_group_torch_made_without_ddpgraph_init():
     results = run_distributed(w.on_a_group_torch_made, 2, init=False, timeout=60)
     assert results == [([{"rank": 0}, {"rank": 1}], "zero")] * 2
+
+
+def test_a_long_error_text_is_cut_to_fit_the_slot():
+    results = run_distributed(w.long_error_on, 2, args=(1,), timeout=60, return_exceptions=True)
+    message = assert_same_error_everywhere(
+        results, ObjectCollectiveError, "rank 1 cannot encode", "[...]"
+    )
+    assert "END" not in message and len(message) < 3000

@@ -57,6 +57,7 @@ _VERSION = 1
 # magic, version, status, op, codec, root, arg, seq, site hash, size, max_bytes, site text
 _HEADER = struct.Struct("<4sBBBBiIQQQQ40s")
 _INLINE = _SLOT - _HEADER.size
+_MAX_MESSAGE = 2000  # bytes of a rank's error text sent to its peers
 
 _OK, _ENCODE_FAILED, _TOO_LARGE, _BAD_ARGUMENT = 0, 1, 2, 3
 _OPS = {1: "all_gather_object", 2: "gather_object", 3: "broadcast_object"}
@@ -325,18 +326,26 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
 def _encode(call: _Call, obj: Any) -> tuple[int, list[bytes | memoryview]]:
     """The status and the payload's pieces (views of tensor memory: copied once, when sent)."""
     if call.argument_error is not None:
-        return _BAD_ARGUMENT, [call.argument_error.encode()]
+        return _BAD_ARGUMENT, [_message(call.argument_error)]
     try:
         parts = encode_parts(obj, call.codec)
     except Exception as exc:  # any failure is reported by every rank, not raised here alone
-        return _ENCODE_FAILED, [f"cannot encode its object: {exc}".encode()]
+        return _ENCODE_FAILED, [_message(f"cannot encode its object: {exc}")]
     size = sum(len(p) for p in parts)
     if size > call.max_bytes:
         return _TOO_LARGE, [
-            f"its object is {size} bytes encoded, over max_bytes={call.max_bytes}; "
-            "send less (e.g. reduce tensors first) or raise max_bytes=".encode()
+            _message(
+                f"its object is {size} bytes encoded, over max_bytes={call.max_bytes}; "
+                "send less (e.g. reduce tensors first) or raise max_bytes="
+            )
         ]
     return _OK, parts
+
+
+def _message(text: str) -> bytes:
+    """An error text for the peers, cut to stay readable (and well inside the first round's slot)."""
+    raw = text.encode()
+    return raw if len(raw) <= _MAX_MESSAGE else raw[: _MAX_MESSAGE - 6] + b" [...]"
 
 
 def _write(parts: list[bytes | memoryview], into: memoryview) -> None:
@@ -387,14 +396,20 @@ def _device_for(call: _Call, state: _GroupState) -> torch.device:
     device = torch.device("cuda", torch.cuda.current_device())
     if not state.devices_checked:
         # Through the store, not NCCL: two ranks on one GPU make NCCL hang or fail obscurely.
-        check_unique_devices(
-            dist.distributed_c10d._get_default_store(),
-            call.rank,
-            call.world_size,
-            device,
-            key=f"{_store_prefix(call)}/devices",
-            timeout=call.timeout or _DEFAULT_CHECK_TIMEOUT,
-        )
+        try:
+            check_unique_devices(
+                dist.distributed_c10d._get_default_store(),
+                call.rank,
+                call.world_size,
+                device,
+                key=f"{_store_prefix(call)}/devices",
+                timeout=call.timeout or _DEFAULT_CHECK_TIMEOUT,
+            )
+        except CollectiveTimeout as exc:
+            raise CollectiveTimeout(
+                f"{call.name} at {call.site[1]}: the first object collective on this group "
+                f"checks every rank's GPU, and not all ranks arrived ({exc})"
+            ) from exc
         state.devices_checked = True
     return device
 
