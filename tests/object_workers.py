@@ -234,3 +234,15 @@ class Unpicklable:
 
 def long_error_on(bad: int) -> list:
     return dg.all_gather_object(Unpicklable() if _rank() == bad else 1, codec="pickle")
+
+
+def straggler_within_timeout(delay: float, timeout: float) -> Any:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ddpgraph").addHandler(handler)
+    if _rank() == 1:
+        time.sleep(delay)
+    return _same_line(_rank(), timeout), records

@@ -224,3 +224,11 @@ def test_a_long_error_text_is_cut_to_fit_the_slot():
         results, ObjectCollectiveError, "rank 1 cannot encode", "[...]"
     )
     assert "END" not in message and len(message) < 3000
+
+
+def test_a_straggler_under_the_timeout_gives_the_result_and_a_warning_naming_it():
+    results = run_distributed(w.straggler_within_timeout, 2, args=(2.0, 3.0), timeout=60)
+    (result0, warnings0), (result1, warnings1) = results
+    assert result0 == result1 == [0, 1]
+    assert len(warnings0) == 1 and "for rank 1, the last to arrive" in warnings0[0]
+    assert warnings1 == []  # the straggler itself did not wait

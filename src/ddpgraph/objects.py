@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import struct
 import sys
+import time
 import weakref
 import zlib
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._log import get_logger
 from .codec import CODECS, DecodeError, decode, encode_parts
 from .errors import (
     CollectiveTimeout,
@@ -65,6 +67,8 @@ _OP_IDS = {name: op for op, name in _OPS.items()}
 _CODEC_NAMES = {i: name for name, i in CODECS.items()}
 _OUR_MODULES = frozenset({__name__, "ddpgraph.compat"})
 _DEFAULT_CHECK_TIMEOUT = timedelta(minutes=10)
+# A rank that arrives after half the timeout is named in a warning, before it becomes an error.
+_STRAGGLER_FRACTION = 0.5
 
 
 # ---- public API ----
@@ -83,9 +87,11 @@ def all_gather_object(
     Each entry, this rank's included, is a decoded copy: tensors come back on the CPU.
     ``codec="data"`` (default) carries plain data, tensors and numpy arrays and never runs code
     from a peer; ``codec="pickle"`` carries anything picklable but **unpickling runs code the
-    sender chooses**: use it only between trusted ranks. ``timeout`` (seconds) bounds the wait
-    for the other ranks to arrive; without it the process group's own timeout applies.
-    ``max_bytes`` caps the encoded size of each rank's object.
+    sender chooses**: use it only between trusted ranks (and a rank that cannot unpickle a
+    peer's object, e.g. its class is missing there, raises alone). ``timeout`` (seconds) bounds
+    the wait for the other ranks to arrive, through the rendezvous store; pass the same value on
+    every rank. A rank arriving after half of it is named in a warning. Without ``timeout`` the
+    process group's own timeout applies. ``max_bytes`` caps each rank's encoded object.
 
     Raises :class:`ObjectCollectiveError` on every rank if any rank cannot encode its object, is
     over ``max_bytes``, or is not at the same call (codec, call number, call site);
@@ -432,15 +438,24 @@ def _await_arrivals(call: _Call, seq: int) -> None:
     key = f"{_store_prefix(call)}/{seq}"
     store.append(f"{key}/who", f"{call.rank},")  # type: ignore[attr-defined]  # missing from stubs
     last = store.add(f"{key}/n", 1) == call.world_size
-    if last:
-        verdict = store.compare_set(f"{key}/go", "", "go")
+    start = time.monotonic()
+    if last:  # the verdict names the last rank, for the straggler warning below
+        verdict = store.compare_set(f"{key}/go", "", f"go {call.rank}")
     else:
         try:
             store.wait([f"{key}/go"], call.timeout)
             verdict = store.get(f"{key}/go")
         except Exception:  # the store raises DistStoreError (a RuntimeError) on timeout
             verdict = store.compare_set(f"{key}/go", "", "timeout")
-    if verdict == b"go":
+    if verdict.startswith(b"go"):
+        waited = time.monotonic() - start
+        if waited > _STRAGGLER_FRACTION * call.timeout.total_seconds():
+            get_logger().warning(
+                "%s at %s (call #%d): waited %.1fs of the %gs timeout for rank %s, the last to "
+                "arrive; it is slow here (an uneven step, I/O, or a skipped warm-up?)",
+                call.name, call.site[1], seq, waited, call.timeout.total_seconds(),
+                verdict.split()[1].decode(),
+            )  # fmt: skip
         if last and seq > 1:
             # Every rank is past call seq - 1 (it arrived here), so its keys can go.
             for name in ("who", "n", "go"):
