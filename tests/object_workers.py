@@ -246,3 +246,33 @@ def straggler_within_timeout(delay: float, timeout: float) -> Any:
     if _rank() == 1:
         time.sleep(delay)
     return _same_line(_rank(), timeout), records
+
+
+def nccl_uses_the_bound_device() -> Any:
+    """NCCL as seen by objects.py, ranks bound to cuda:RANK but current device 0 (a thread's
+    default): the bound device is used, also from a worker thread; the bytes move over gloo."""
+    import threading
+    from types import SimpleNamespace
+
+    from ddpgraph import runtime
+
+    rank = _rank()
+    objects.get_runtime = lambda: SimpleNamespace(device=torch.device("cuda", rank))  # type: ignore[assignment]
+    objects.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    runtime.device_identity = lambda device: f"GPU-{device.index}"  # type: ignore[assignment]
+    seen: list[str] = []
+
+    def gather_on_cpu(call: Any, device: Any, slot: Any, size: int) -> Any:
+        seen.append(str(device))
+        out = torch.empty(call.world_size * size, dtype=torch.uint8)
+        objects._all_gather_single(out, slot, group=call.group)
+        return out
+
+    objects._gather_slots = gather_on_cpu
+    first = dg.all_gather_object(rank)
+    from_thread: list[Any] = []
+    thread = threading.Thread(target=lambda: from_thread.append(dg.all_gather_object(-rank)))
+    thread.start()
+    thread.join(30)
+    return first, from_thread, seen

@@ -232,3 +232,10 @@ def test_a_straggler_under_the_timeout_gives_the_result_and_a_warning_naming_it(
     assert result0 == result1 == [0, 1]
     assert len(warnings0) == 1 and "for rank 1, the last to arrive" in warnings0[0]
     assert warnings1 == []  # the straggler itself did not wait
+
+
+def test_nccl_path_uses_the_bound_device_even_from_a_thread():
+    results = run_distributed(w.nccl_uses_the_bound_device, 2, timeout=60)
+    for rank, (first, from_thread, seen) in enumerate(results):
+        assert first == [0, 1] and from_thread == [[0, -1]]
+        assert seen == [f"cuda:{rank}"] * 2

@@ -43,7 +43,7 @@ from .errors import (
     ObjectArgumentError,
     ObjectCollectiveError,
 )
-from .runtime import check_unique_devices
+from .runtime import check_unique_devices, get_runtime
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -298,7 +298,7 @@ class _Header(NamedTuple):
 @dataclass
 class _GroupState:
     seq: int = 0  # object collectives this rank has entered on the group
-    devices_checked: bool = False
+    device: torch.device | None = None  # on NCCL: the rank's device, once checked unique
     on_cpu: bool | None = None  # the group's backend carries CPU tensors (gloo); found once
     slots: _Slots | None = None
 
@@ -392,15 +392,17 @@ def _parse_header(slot: memoryview | None) -> _Header | str:
 
 
 def _device_for(call: _Call, state: _GroupState) -> torch.device:
-    """CPU where the group has gloo; else this rank's current CUDA device, checked unique once."""
+    """CPU where the group has gloo; else the CUDA device bound to this rank, checked unique once
+    per group and then kept (so a later call from a thread, whose current device is cuda:0,
+    still uses it)."""
     assert call.group is not None
     if state.on_cpu is None:
         backend = str(dist.get_backend(call.group)).lower()
         state.on_cpu = "gloo" in backend or "nccl" not in backend
     if state.on_cpu:
         return torch.device("cpu")
-    device = torch.device("cuda", torch.cuda.current_device())
-    if not state.devices_checked:
+    if state.device is None:
+        device = _bound_device(call.group)
         # Through the store, not NCCL: two ranks on one GPU make NCCL hang or fail obscurely.
         try:
             check_unique_devices(
@@ -416,8 +418,19 @@ def _device_for(call: _Call, state: _GroupState) -> torch.device:
                 f"{call.name} at {call.site[1]}: the first object collective on this group "
                 f"checks every rank's GPU, and not all ranks arrived ({exc})"
             ) from exc
-        state.devices_checked = True
-    return device
+        state.device = device
+    return state.device
+
+
+def _bound_device(group: dist.ProcessGroup) -> torch.device:
+    """ddpgraph.init's device, else the group's bound device_id, else the current device."""
+    runtime = get_runtime()
+    if runtime is not None and runtime.device.type == "cuda":
+        return runtime.device
+    bound = getattr(group, "bound_device_id", None)
+    if bound is not None and bound.type == "cuda":
+        return torch.device(bound)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _store_prefix(call: _Call) -> str:
