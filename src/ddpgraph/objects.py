@@ -11,12 +11,16 @@ ranks of a group. Compared with torch's functions of similar names they
   for large ones (the first round carries the sizes, checked against ``max_bytes`` before the
   second round allocates anything);
 * with ``timeout=``, name the rank(s) that never arrived (:class:`CollectiveTimeout`);
-* on NCCL use this rank's current device, after checking once per group that no two ranks of a
-  host share it (:class:`DeviceConflictError`, before any NCCL call);
+* on NCCL use the device bound to this rank (``ddpgraph.init``'s, else the group's
+  ``device_id``, else the current device), after checking once per group, through the store,
+  that no two ranks of a host share it (:class:`DeviceConflictError`, before any NCCL call);
+* refuse at once while a CUDA stream is capturing (they synchronize with the host);
 * work at world size 1 and without any process group, encoding and decoding as they would with
   more ranks, so that code tested on one process fails the same way as on eight.
 
-Every function must be called by every rank of the group, in the same order, from the same line.
+Every function must be called by every rank of the group, in the same order, from the same line
+(the call site is compared: ``if rank == 0: f(a) else: f(b)`` on two lines is refused; compute
+the argument first and call once).
 """
 
 from __future__ import annotations
