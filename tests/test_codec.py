@@ -269,3 +269,11 @@ def test_unknown_codec():
 def test_numpy_scalars_of_every_width(value):
     out = decode(encode(value))
     assert type(out) is type(value) and out == value
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
+def test_exotic_dtypes_keep_their_bits(dtype):
+    t = (torch.randn(4, 3) * 4).to(dtype)
+    out = decode(encode(t))
+    assert out.dtype == dtype and out.shape == t.shape
+    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
