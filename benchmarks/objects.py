@@ -54,11 +54,14 @@ def make_object(case: str, rank: int) -> Any:
 
 
 def _timed(methods: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], None]) -> dict:
-    """Median seconds per call of each method, interleaved call by call so that load from
-    elsewhere on the machine falls on all methods alike."""
+    """Median seconds per call of each method, interleaved call by call (in rotating order) so
+    that load from elsewhere on the machine falls on all methods alike."""
     times: dict[str, list[float]] = {name: [] for name in methods}
+    names = list(methods)
     for i in range(WARMUP + iters):
-        for name, fn in methods.items():
+        # rotate the order too: the call that follows another method's pays for its leftovers
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            fn = methods[name]
             dist.barrier()
             sync()
             start = time.perf_counter()
