@@ -271,6 +271,7 @@ def test_numpy_scalars_of_every_width(value):
     assert type(out) is type(value) and out == value
 
 
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
 def test_exotic_dtypes_keep_their_bits(dtype):
     t = (torch.randn(4, 3) * 4).to(dtype)
