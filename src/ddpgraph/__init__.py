@@ -15,6 +15,7 @@ from .errors import (
     ObjectCollectiveError,
     explain,
 )
+from .objects import all_gather_object, broadcast_object, gather_object
 from .runtime import Runtime, get_runtime, init, shutdown
 from .step import StepReport, TrainStep
 
@@ -32,7 +33,10 @@ __all__ = [
     "StepReport",
     "TrainStep",
     "__version__",
+    "all_gather_object",
+    "broadcast_object",
     "explain",
+    "gather_object",
     "get_runtime",
     "init",
     "shutdown",

@@ -8,6 +8,7 @@ existing ``except`` clauses keep working.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
+    "ObjectArgumentError",
     "ObjectCollectiveError",
     "explain",
     "with_explanation",
@@ -40,7 +42,22 @@ class DeviceConflictError(RuntimeError):
 
 
 class ObjectCollectiveError(RuntimeError):
-    """An object collective failed on at least one rank; raised identically on every rank."""
+    """An object collective failed on at least one rank; raised identically on every rank.
+
+    ``ranks`` lists the ranks (of the group) whose object, arguments or call caused the failure.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message, tuple(ranks))
+        self.ranks: tuple[int, ...] = tuple(ranks)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ObjectArgumentError(ObjectCollectiveError, ValueError):
+    """A rank passed a bad argument (e.g. an output list of the wrong length) to an object
+    collective; raised on every rank. A ``ValueError`` too, as torch raises for such arguments."""
 
 
 class CollectiveTimeout(TimeoutError):

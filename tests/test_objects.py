@@ -1,0 +1,241 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddpgraph as dg
+from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
+from ddpgraph.codec import encode
+from ddpgraph.errors import DistributedStateError
+from ddpgraph.testing import run_distributed
+
+from . import object_workers as w
+from .test_codec import same
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def assert_same_error_everywhere(results, kind, *fragments):
+    """Every rank raised ``kind`` with one identical message containing every fragment."""
+    for rank, exc in enumerate(results):
+        assert isinstance(exc, kind), f"rank {rank} returned {exc!r}"
+    messages = {str(exc) for exc in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return message
+
+
+# ---- one process ----
+
+
+@pytest.mark.parametrize("with_group", [False, True])
+def test_single_process_returns_decoded_copies(with_group):
+    if with_group:
+        dg.init()
+    obj = {"t": torch.arange(3), "pair": (1, 2)}
+    gathered = dg.all_gather_object(obj)
+    assert len(gathered) == 1 and same(gathered[0], obj) and gathered[0] is not obj
+    assert same(dg.gather_object(obj), [obj])
+    assert dg.broadcast_object(obj) is obj
+
+
+@pytest.mark.parametrize("with_group", [False, True])
+def test_single_process_fails_like_many(with_group):
+    if with_group:
+        dg.init()
+    with pytest.raises(
+        ObjectCollectiveError, match=r'rank 0 cannot encode.*obj\["s"\] is a set'
+    ) as info:
+        dg.all_gather_object({"s": {1}})
+    assert info.value.ranks == (0,)
+    with pytest.raises(ObjectCollectiveError, match="over max_bytes=4"):
+        dg.all_gather_object(b"12345", max_bytes=4)
+    with pytest.raises(ValueError, match="dst=1"):
+        dg.gather_object(1, dst=1)
+
+
+def test_no_group_but_a_launcher_says_more_ranks(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(DistributedStateError, match=r"WORLD_SIZE=4; call ddpgraph.init\(\)"):
+        dg.all_gather_object(1)
+
+
+def test_bad_options_fail_before_anything():
+    with pytest.raises(ValueError, match="codec='json'"):
+        dg.all_gather_object(1, codec="json")
+    with pytest.raises(ValueError, match="max_bytes=0"):
+        dg.all_gather_object(1, max_bytes=0)
+    with pytest.raises(ValueError, match="timeout=-1"):
+        dg.all_gather_object(1, timeout=-1)
+
+
+def test_refuses_while_a_stream_is_capturing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ObjectCollectiveError, match="while a CUDA stream is capturing"):
+        dg.broadcast_object(1)
+
+
+# ---- several ranks ----
+
+
+@pytest.mark.parametrize(
+    ("world_size", "sizes"),
+    [(2, [100, 100]), (3, [10, 50_000, 100]), (3, [200_000, 300_000, 10])],
+    ids=["small", "mixed", "large"],
+)
+def test_results_are_ordered_by_rank(world_size, sizes):
+    results = run_distributed(w.gather_all_three, world_size, args=(sizes,), timeout=120)
+    for rank, out in enumerate(results):
+        assert out["all"] == [True] * world_size
+        assert out["gather"] == ([True] * world_size if rank == world_size - 1 else None)
+        assert out["bcast"] is True
+
+
+def test_unencodable_object_on_one_rank_raises_on_every_rank():
+    results = run_distributed(w.unsupported_on, 3, args=(1,), timeout=60, return_exceptions=True)
+    message = assert_same_error_everywhere(
+        results,
+        ObjectCollectiveError,
+        "failed on ranks [1]",
+        'obj["stats"][3] is a set',
+        'codec="pickle"',
+    )
+    assert "rank 0" not in message and all(exc.ranks == (1,) for exc in results)
+
+
+def test_broadcast_source_failure_raises_on_receivers_too():
+    results = run_distributed(
+        w.broadcast_unsupported_from_src, 2, timeout=60, return_exceptions=True
+    )
+    assert_same_error_everywhere(
+        results, ObjectCollectiveError, "broadcast_object failed on ranks [0]", "obj is a object"
+    )
+
+
+def test_object_over_the_cap_on_one_rank():
+    results = run_distributed(w.too_large_on, 2, args=(0, 1000), timeout=60, return_exceptions=True)
+    assert_same_error_everywhere(
+        results,
+        ObjectCollectiveError,
+        "failed on ranks [0]",
+        f"{len(encode(bytes(2000)))} bytes encoded, over max_bytes=1000",
+    )
+
+
+def test_corrupt_size_is_refused_before_allocating():
+    results = run_distributed(w.corrupt_size_on, 2, args=(1,), timeout=60, return_exceptions=True)
+    assert_same_error_everywhere(
+        results, ObjectCollectiveError, f"rank 1: {1 << 60} bytes", "nothing was allocated"
+    )
+
+
+def test_codec_mismatch_raises_everywhere_and_unpickles_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    results = run_distributed(
+        w.codec_differs_on, 2, args=(1, str(marker)), timeout=60, return_exceptions=True
+    )
+    assert_same_error_everywhere(
+        results, ObjectCollectiveError, "differ in codec", "codec 'pickle'", "codec 'data'"
+    )
+    assert not marker.exists()
+
+
+def test_pickle_sent_as_data_is_never_executed(tmp_path):
+    marker = tmp_path / "pwned"
+    results = run_distributed(
+        w.pickle_under_data_codec_from, 2, args=(1, str(marker)), timeout=60, return_exceptions=True
+    )
+    assert_same_error_everywhere(
+        results, ObjectCollectiveError, "the object from rank 1", "could not be decoded"
+    )
+    assert not marker.exists()
+
+
+def test_a_skipped_call_is_caught_not_mispaired():
+    results = run_distributed(w.skip_a_call_on, 2, args=(1,), timeout=60, return_exceptions=True)
+    message = assert_same_error_everywhere(
+        results, ObjectCollectiveError, "not in the same call", "call site"
+    )
+    assert "object_workers.py:" in message
+
+
+def test_sequence_mismatch_after_a_timeout_is_caught():
+    results = run_distributed(w.gives_up_then_mispairs, 2, timeout=60)
+    first, second = results[0]
+    assert isinstance(first, CollectiveTimeout) and "ranks [1] had not arrived" in str(first)
+    message = assert_same_error_everywhere(
+        [second, results[1]], ObjectCollectiveError, "differ in call number"
+    )
+    assert (
+        "rank 0: all_gather_object call #2" in message
+        and "rank 1: all_gather_object call #1" in message
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_rank_that_never_arrives_is_named_within_the_timeout(world_size):
+    missing, timeout = world_size - 1, 1.5
+    results = run_distributed(w.never_arrives, world_size, args=(missing, timeout, 2.0), timeout=60)
+    for rank, (exc, elapsed) in enumerate(results):
+        assert isinstance(exc, CollectiveTimeout), (rank, exc)
+        if rank == missing:
+            assert "after the others had given up" in str(exc)
+        else:
+            assert f"ranks [{missing}] had not arrived" in str(exc)
+            assert timeout <= elapsed < timeout + 2.0  # the grace: store polling, process start
+
+
+def test_after_a_straggler_times_out_every_rank_recovers_in_step():
+    results = run_distributed(w.straggler_then_recover, 2, args=(1.0,), timeout=60)
+    for first, again in results:
+        assert isinstance(first, CollectiveTimeout)
+        assert again == ["again-0", "again-1"]
+
+
+def test_many_calls_with_timeout_stay_paired():
+    results = run_distributed(w.many_calls_with_timeout, 2, args=(20,), timeout=60)
+    assert results == [[(i, 1) for i in range(20)], [(i, 0) for i in range(20)]]
+
+
+def test_shared_gpu_on_nccl_raises_before_any_collective():
+    results = run_distributed(w.fake_nccl_on_shared_gpu, 2, timeout=60)
+    for exc in results:
+        assert isinstance(exc, DeviceConflictError), exc
+        assert "ranks 0, 1" in str(exc) and "torch.cuda.set_device(LOCAL_RANK)" in str(exc)
+
+
+def test_subgroup_uses_group_ranks_and_refuses_outsiders():
+    results = run_distributed(w.subgroup_gather, 3, timeout=60)
+    assert isinstance(results[0], DistributedStateError) and "not a member" in str(results[0])
+    assert results[1] == results[2] == ([10, 20], "from-2")
+
+
+def test_works_on_a_group_torch_made_without_ddpgraph_init():
+    results = run_distributed(w.on_a_group_torch_made, 2, init=False, timeout=60)
+    assert results == [([{"rank": 0}, {"rank": 1}], "zero")] * 2
+
+
+def test_a_long_error_text_is_cut_to_fit_the_slot():
+    results = run_distributed(w.long_error_on, 2, args=(1,), timeout=60, return_exceptions=True)
+    message = assert_same_error_everywhere(
+        results, ObjectCollectiveError, "rank 1 cannot encode", "[...]"
+    )
+    assert "END" not in message and len(message) < 3000
+
+
+def test_a_straggler_under_the_timeout_gives_the_result_and_a_warning_naming_it():
+    results = run_distributed(w.straggler_within_timeout, 2, args=(2.0, 3.0), timeout=60)
+    (result0, warnings0), (result1, warnings1) = results
+    assert result0 == result1 == [0, 1]
+    assert len(warnings0) == 1 and "for rank 1, the last to arrive" in warnings0[0]
+    assert warnings1 == []  # the straggler itself did not wait
+
+
+def test_nccl_path_uses_the_bound_device_even_from_a_thread():
+    results = run_distributed(w.nccl_uses_the_bound_device, 2, timeout=60)
+    for rank, (first, from_thread, seen) in enumerate(results):
+        assert first == [0, 1] and from_thread == [[0, -1]]
+        assert seen == [f"cuda:{rank}"] * 2
