@@ -42,7 +42,8 @@ def section(results: list[tuple[str, dict]]) -> str:
     )
     parts = [
         "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios).",
-        "First fast step: seconds from building the model to steady state, per mode in order.",
+        "First fast step: seconds from building the model to steady state (compiling, warming up,",
+        "capturing), per mode in column order, from each file's first run (cold compile caches).",
         "",
         to_markdown(rows),
         "",

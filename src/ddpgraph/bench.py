@@ -330,7 +330,10 @@ def run_bench(
                     progress.advance(task)
                 runs.append(run)
                 progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
-            results["configs"][cfg.name] = {"runs": runs}
+                results["configs"][cfg.name] = {"runs": runs}
+                if rt.is_main:  # a run cut short by a time limit keeps its finished repeats
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(results, indent=2) + "\n")
     runtime.shutdown()
     if rt.is_main:
         write_outputs(results, out)
