@@ -165,3 +165,16 @@ def test_dead_rank_is_reported_in_one_line(monkeypatch: pytest.MonkeyPatch):
     assert result.name == "self-test processes" and not result.ok
     assert result.detail.startswith("rank 1 was killed by signal 9 before reporting")
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in (result.fix or "")
+
+
+def test_object_gather_check_uses_ddpgraphs_collective(monkeypatch: pytest.MonkeyPatch):
+    import torch.distributed as dist
+
+    def torchs(*args, **kwargs):
+        raise AssertionError("the self-test called torch.distributed.all_gather_object")
+
+    monkeypatch.setattr(dist, "all_gather_object", torchs)
+    monkeypatch.setattr(env, "_launch", in_process)
+    results = env.run_selftest(1)
+    gather = next(r for r in results if r.name == "object gather")
+    assert gather.status == "ok" and gather.detail == "1 objects, in rank order"

@@ -200,5 +200,38 @@ def doctor(as_json: bool, nproc: int | None, timeout: float) -> None:
     raise SystemExit(0 if all(r.ok for r in results) else 1)
 
 
+@cli.command(
+    context_settings={
+        # every torchrun option passes through to torch's parser, and everything from SCRIPT on
+        # (its own --help included) goes to the script
+        "ignore_unknown_options": True,
+        "allow_interspersed_args": False,
+    },
+    options_metavar="",
+)
+@click.argument("torchrun_args", metavar="[TORCHRUN OPTIONS] SCRIPT [ARGS]...", nargs=-1,
+                type=click.UNPROCESSED)  # fmt: skip
+def launch(torchrun_args: tuple[str, ...]) -> None:
+    """torchrun with guard rails, for unmodified scripts.
+
+    Takes exactly torchrun's options (see `torchrun --help`), e.g.
+    `ddpgraph launch --nproc-per-node 2 train.py --lr 0.1`, and runs torch's own launcher. Each
+    worker first binds its device from LOCAL_RANK, routes torch.distributed's object collectives
+    (all_gather_object, gather_object, broadcast_object_list) through ddpgraph's checked ones, and
+    prints a one-line summary on rank 0; then it runs SCRIPT as __main__ with ARGS. The script
+    creates its process group itself, as under torchrun.
+
+    Exit status: 0 when every worker succeeded, 1 when one failed, 2 for a usage error.
+    """
+    from .errors import ConfigError
+    from .launch import launch as run_launch
+
+    try:
+        status = run_launch(torchrun_args)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    raise SystemExit(status)
+
+
 def main() -> None:
     cli()

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import explain
+from ..objects import all_gather_object
 from ..runtime import Runtime, device_identity
 
 __all__ = [
@@ -184,9 +185,9 @@ def check_all_reduce(rt: Runtime) -> str:
 
 
 def check_object_gather(rt: Runtime) -> str:
-    # TODO: switch to ddpgraph.all_gather_object once the object collectives land.
-    gathered: list[Any] = [None] * rt.world_size
-    dist.all_gather_object(gathered, {"rank": rt.rank, "host": socket.gethostname()})
+    # ddpgraph's collective, not torch's: a rank that fails here fails on every rank with a
+    # message (torch's would hang the others), and the safe codec runs no peer's code.
+    gathered = all_gather_object({"rank": rt.rank, "host": socket.gethostname()})
     ranks = [item["rank"] if isinstance(item, dict) else item for item in gathered]
     if ranks != list(range(rt.world_size)):
         raise SelfTestFailure(

@@ -1,0 +1,109 @@
+"""``ddpgraph launch``: torchrun with guard rails for scripts you do not want to (or cannot) edit.
+
+Every torchrun option is parsed by torch's own parser and the job is run by torch's own launcher
+(``torch.distributed.run.run``); the only change is the command each worker runs. Instead of
+``python -u SCRIPT ARGS`` a worker runs ``python -u -m ddpgraph._launch_worker path SCRIPT ARGS``,
+which, before the script starts:
+
+1. binds the device from ``LOCAL_RANK`` (``torch.cuda.set_device``; nothing on the CPU), so an
+   unmodified script that never calls ``set_device`` does not put every rank on ``cuda:0``;
+2. calls :func:`ddpgraph.compat.patch_torch`, so torch's object collectives check their
+   arguments on every rank and fail on every rank instead of hanging one of them;
+3. prints one summary line on rank 0.
+
+The script then runs as ``__main__`` with ``sys.argv == [SCRIPT, *ARGS]``, as under torchrun. No
+process group is created: the script creates its own, as it does under torchrun.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from .errors import ConfigError
+
+WORKER_MODULE = "ddpgraph._launch_worker"
+# The first argument of the worker module: how to run the target.
+RUN_PATH = "path"
+RUN_MODULE = "module"
+
+USAGE_EXAMPLE = "ddpgraph launch --nproc-per-node 2 train.py --lr 0.1"
+
+
+def launch(argv: Sequence[str]) -> int:
+    """Run ``torchrun ARGV`` with the guards above in every worker; return an exit status.
+
+    Raises :class:`ConfigError` (before anything starts) for a missing or unreadable script or an
+    option ddpgraph cannot guard. A failed worker is reported by torch's launcher and gives 1.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    args = torchrun_args(argv)
+    target = args.training_script_args[1]
+    try:
+        run(args)
+    except ChildFailedError as exc:
+        # The workers' tracebacks went to their own stderr already; this names rank and exit
+        # code, under the user's script rather than our worker module.
+        exc.name = target
+        print(f"ddpgraph launch: the job failed.\n{exc.format_msg()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
+    """torchrun's parsed options for ``argv``, with the worker command replaced by ours."""
+    args = _parse(argv)
+    if args.no_python:
+        raise ConfigError(
+            "ddpgraph launch cannot guard --no-python: the workers would not run Python, so "
+            "nothing could bind the device or check the collectives before the program. Drop "
+            "--no-python to run a Python script, or use torchrun itself for other programs."
+        )
+    if args.module:
+        target = [RUN_MODULE, args.training_script]
+    else:
+        _check_script(args.training_script)
+        target = [RUN_PATH, args.training_script]
+    # --run-path would run torch's own in-interpreter runner, skipping ours; the script runs the
+    # same way under our worker module, so it is simply turned off.
+    args.run_path = False
+    args.module = True
+    args.training_script = WORKER_MODULE
+    args.training_script_args = [*target, *args.training_script_args]
+    return args
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "ddpgraph launch"
+
+    def error(message: str) -> NoReturn:
+        # argparse would print and exit; raise instead, so the CLI reports it like its own errors.
+        if "training_script" in message:
+            raise ConfigError(
+                f"missing SCRIPT: give the Python script to run after the torchrun options, "
+                f"e.g. `{USAGE_EXAMPLE}`."
+            )
+        raise ConfigError(f"{message} (ddpgraph launch takes torchrun's options; see torchrun -h)")
+
+    parser.error = error  # type: ignore[method-assign]
+    return parser.parse_args(list(argv))
+
+
+def _check_script(script: str) -> None:
+    if not os.path.exists(script):
+        raise ConfigError(
+            f"script {script!r} does not exist (looked in {os.getcwd()}); pass the path of a "
+            f"Python file, e.g. `{USAGE_EXAMPLE}`, or -m MODULE to run a module."
+        )
+    if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
+        raise ConfigError(
+            f"script {script!r} is a directory without __main__.py; pass the Python file to run."
+        )
