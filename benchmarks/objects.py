@@ -127,6 +127,9 @@ def _worker(backend: str, quick: bool) -> dict[str, Any] | None:
 
 
 def git_commit() -> str:
+    if os.environ.get("DDPGRAPH_COMMIT"):  # set where the tree travels without its .git
+        return os.environ["DDPGRAPH_COMMIT"]
+
     def git(*args: str) -> str:
         return subprocess.run(
             ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False
