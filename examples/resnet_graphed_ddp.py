@@ -57,6 +57,12 @@ def parse_args() -> argparse.Namespace:
         "--image-size", type=int, default=32, help="torchvision input side (default: 32)"
     )
     parser.add_argument("--log-every", type=int, default=10, help="steps between loss prints")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="SGD learning rate (default: 0.1 x global batch / 256, the linear scaling rule)",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.batch_size < 1:
         parser.error(f"--steps {args.steps} and --batch-size {args.batch_size} must be >= 1")
@@ -93,7 +99,9 @@ def main() -> None:
     model, sample_shape, described = make_model(args.arch, args.image_size)
     model = model.to(rt.device)
     on_gpu = rt.device.type == "cuda"
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # ResNet-50 from scratch with small batches diverges at a large LR (loss 44 at lr=0.05, b16)
+    lr = args.lr if args.lr is not None else 0.1 * args.batch_size * rt.world_size / 256
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     # channels_last: convolutions run in NHWC on tensor cores, about twice as fast for ResNet
     step = ddpgraph.TrainStep(model, optimizer, nn.CrossEntropyLoss(), channels_last=on_gpu)
 
