@@ -18,10 +18,14 @@ process group is created: the script creates its own, as it does under torchrun.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import torch
 
 from .errors import ConfigError
 
@@ -31,6 +35,40 @@ RUN_PATH = "path"
 RUN_MODULE = "module"
 
 USAGE_EXAMPLE = "ddpgraph launch --nproc-per-node 2 train.py --lr 0.1"
+
+
+CPU_PROCESSES = 2  # without a GPU: two gloo ranks, so that collectives really talk
+
+
+def default_nproc() -> int:
+    """One process per local GPU, or :data:`CPU_PROCESSES` (gloo) where there is none."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else CPU_PROCESSES
+
+
+def run_local(fn: Callable[..., Any], *args: Any, nproc: int, name: str) -> dict[int, Any]:
+    """``fn(*args)`` on ``nproc`` local processes, as ``torchrun --standalone`` would start them.
+
+    torch's elastic agent does the process management (no home-made launcher); the result maps
+    each local rank to ``fn``'s return value. A failed worker raises torch's ``ChildFailedError``.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every rendezvous step at INFO; the caller prints what matters.
+    for logger in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"ddpgraph-{name}-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    result: dict[int, Any] = elastic_launch(config, fn)(*args)
+    return result
 
 
 def launch(argv: Sequence[str]) -> int:

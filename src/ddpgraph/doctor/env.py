@@ -8,12 +8,10 @@ exception text and, where one is known, :func:`ddpgraph.errors.explain`'s fix.
 
 from __future__ import annotations
 
-import logging
 import os
 import platform
 import socket
 import sys
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -22,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import explain
+from ..launch import default_nproc, run_local
 from ..objects import all_gather_object
 from ..runtime import Runtime, device_identity
 
@@ -33,7 +32,6 @@ __all__ = [
     "GpuInfo",
     "SelfTestFailure",
     "collect_env",
-    "default_nproc",
     "merge",
     "render",
     "run_checks",
@@ -344,11 +342,6 @@ class CheckResult:
         return self.status != "fail"
 
 
-def default_nproc() -> int:
-    """One rank per GPU, or two CPU ranks (gloo) so that the collectives really talk."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
 def run_selftest(
     nproc: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[CheckResult]:
@@ -362,28 +355,7 @@ def run_selftest(
 
 
 def _launch(nproc: int, timeout_s: float) -> dict[int, list[dict[str, Any]]]:
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    _quiet_elastic()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        run_id=f"ddpgraph-doctor-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        start_method="spawn",
-        monitor_interval=0.1,
-    )
-    result: dict[int, list[dict[str, Any]]] = elastic_launch(config, selftest_worker)(timeout_s)
-    return result
-
-
-def _quiet_elastic() -> None:
-    # The elastic agent logs every rendezvous step at INFO; the doctor's table says what matters.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    return run_local(selftest_worker, timeout_s, nproc=nproc, name="doctor")
 
 
 def _launch_failure(exc: BaseException) -> CheckResult:
