@@ -21,7 +21,6 @@ import pickle
 import platform
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph as dg
+from ddpgraph.bench import git_commit
 from ddpgraph.codec import encode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,19 +124,6 @@ def measure(backend: str, quick: bool) -> dict[str, Any] | None:
 
 def _worker(backend: str, quick: bool) -> dict[str, Any] | None:
     return measure(backend, quick)
-
-
-def git_commit() -> str:
-    if os.environ.get("DDPGRAPH_COMMIT"):  # set where the tree travels without its .git
-        return os.environ["DDPGRAPH_COMMIT"]
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=False
-        ).stdout.strip()
-
-    commit = git("rev-parse", "HEAD") or "unknown"
-    return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def main() -> None:

@@ -272,7 +272,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.version.cuda,
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if torch.cuda.is_available():
@@ -281,16 +281,29 @@ def environment() -> dict[str, Any]:
     return info
 
 
-def _git_commit() -> str:
-    if os.environ.get("DDPGRAPH_COMMIT"):  # set where the tree travels without its .git
+def git_commit() -> str:
+    """The checkout's commit (``-dirty`` with uncommitted changes to tracked files), for results.
+
+    ``DDPGRAPH_COMMIT`` wins: a tree copied to a GPU machine travels without its ``.git``.
+    """
+    if os.environ.get("DDPGRAPH_COMMIT"):
         return os.environ["DDPGRAPH_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        head = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        status = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
         )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
+    if head.returncode != 0:
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
 def run_bench(
@@ -319,7 +332,8 @@ def run_bench(
         task = progress.add_task("bench", total=len(configs) * len(modes) * repeats)
         for cfg in configs:
             batches = _batches(cfg, device)
-            runs = []
+            runs: list[dict[str, Any]] = []
+            results["configs"][cfg.name] = {"runs": runs}
             for r in range(repeats):
                 run: dict[str, Any] = {}
                 for mode in modes:
@@ -330,10 +344,8 @@ def run_bench(
                     progress.advance(task)
                 runs.append(run)
                 progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
-                results["configs"][cfg.name] = {"runs": runs}
                 if rt.is_main:  # a run cut short by a time limit keeps its finished repeats
-                    out.parent.mkdir(parents=True, exist_ok=True)
-                    out.write_text(json.dumps(results, indent=2) + "\n")
+                    _write_json(results, out)
     runtime.shutdown()
     if rt.is_main:
         write_outputs(results, out)
@@ -352,10 +364,14 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     """``out`` (JSON), and beside it the markdown table (.md) and the chart (.png, if matplotlib)."""
     from .bench_report import chart, table_rows, to_markdown
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    _write_json(results, out)
     rows = table_rows(out.name, results)
     markdown = to_markdown(rows)
     out.with_suffix(".md").write_text(markdown + "\n")
     chart(rows, out.with_suffix(".png"))
     print(markdown)
+
+
+def _write_json(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")

@@ -47,7 +47,7 @@ from .errors import (
     ObjectArgumentError,
     ObjectCollectiveError,
 )
-from .runtime import check_unique_devices, get_runtime
+from .runtime import as_timedelta, check_unique_devices, get_runtime
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -192,7 +192,7 @@ class _Call:
             world_size,
             -1 if root is None else _group_rank(name, pg, root),
             codec,
-            _as_timeout(name, timeout),
+            None if timeout is None else as_timedelta(timeout, caller=name),
             max_bytes,
             _call_site(),
             arg,
@@ -255,15 +255,6 @@ def _group_rank(name: str, pg: dist.ProcessGroup | None, root: int) -> int:
             f"{dist.get_world_size(pg)}; pass the global rank of a member."
         )
     return group_rank
-
-
-def _as_timeout(name: str, timeout: float | timedelta | None) -> timedelta | None:
-    if timeout is None:
-        return None
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise ValueError(f"{name}: timeout={timeout!r} must be positive seconds (or None).")
-    return value
 
 
 def _call_site() -> tuple[int, str]:

@@ -97,7 +97,7 @@ def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIM
     process group, ``init`` adopts it (and leaves it to the application to destroy).
     """
     global _state
-    requested = (backend, _as_timedelta(timeout))
+    requested = (backend, as_timedelta(timeout, caller="ddpgraph.init"))
     if _state is not None:
         if _state.requested != requested:
             raise DistributedStateError(
@@ -172,10 +172,13 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
         ) from None
 
 
-def _as_timedelta(timeout: float | timedelta) -> timedelta:
+def as_timedelta(timeout: float | timedelta, *, caller: str) -> timedelta:
+    """``timeout`` (seconds or a timedelta) as a positive timedelta, or :class:`ConfigError`."""
     value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     if value.total_seconds() <= 0:
-        raise ConfigError(f"timeout={timeout!r} must be positive (seconds or a timedelta).")
+        raise ConfigError(
+            f"{caller}: timeout={timeout!r} must be positive (seconds or a timedelta)."
+        )
     return value
 
 
