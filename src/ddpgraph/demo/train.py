@@ -71,7 +71,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
     losses = _LossLog(rt.device)
     curve: list[float] = []
     started = time.perf_counter()
-    with _progress(rt.is_main, config.steps) as progress:
+    with _Progress(rt.is_main, config.steps) as progress:
         for i, (x, y) in zip(range(config.steps), _forever(loader)):
             losses.add(step(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
             scheduler.step()
@@ -166,7 +166,7 @@ def _gather(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     return ddpgraph.all_gather_object(metrics, timeout=60.0)
 
 
-class _progress:
+class _Progress:
     """A rich progress bar on the main rank (loss, steps/s, mode); a no-op elsewhere."""
 
     def __init__(self, enabled: bool, total: int) -> None:
@@ -175,7 +175,7 @@ class _progress:
         self._bar: Any = None
         self._started = time.perf_counter()
 
-    def __enter__(self) -> _progress:
+    def __enter__(self) -> _Progress:
         if self._enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
