@@ -197,3 +197,24 @@ def test_worker_error_carries_rank_and_traceback():
         run_distributed(workers.fail_on_rank, 2, args=(1,), timeout=60)
     assert isinstance(info.value.errors[1], KeyError)
     assert "boom on 1" in info.value.tracebacks[1] and "fail_on_rank" in info.value.tracebacks[1]
+
+
+def test_shutdown_waits_for_every_rank_before_destroying_the_group():
+    took = run_distributed(
+        workers.shutdown_after_rank_delay, 2, args=(1.5,), init=False, timeout=60
+    )
+    assert took[0] >= 1.2, f"rank 0 tore down {took[0]:.2f}s after arriving, not waiting for rank 1"
+    assert took[1] < 1.0
+
+
+def test_leaving_init_by_an_exception_skips_the_barrier_and_the_peer_is_told():
+    results = run_distributed(
+        workers.shutdown_while_peer_fails, 2, init=False, timeout=60, return_exceptions=True
+    )
+    failed, survivor = results[1], results[0]
+    assert failed["initialized"] is False and failed["warnings"] == []
+    assert failed["seconds"] < 10
+    # the survivor's closing barrier cannot meet the failed rank: it says so and still tears down
+    assert survivor["initialized"] is False
+    assert survivor["seconds"] < 25, "the survivor waited for the whole group timeout"
+    assert any("closing barrier failed" in w for w in survivor["warnings"]), survivor

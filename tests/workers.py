@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -74,3 +75,34 @@ def hang_on_rank(bad: int) -> int:
 
 def exit_abruptly() -> None:
     os._exit(3)
+
+
+def shutdown_after_rank_delay(delay: float) -> float:
+    """Rank 1 dawdles before shutdown; returns how long this rank's shutdown took."""
+    ddpgraph.init(backend="gloo")
+    if dist.get_rank() == 1:
+        time.sleep(delay)
+    started = time.perf_counter()
+    ddpgraph.shutdown()
+    assert not dist.is_initialized()
+    return time.perf_counter() - started
+
+
+def shutdown_while_peer_fails() -> dict:
+    """Rank 1 leaves ``with init()`` by an exception; rank 0 shuts down normally."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("ddpgraph").addHandler(handler)
+    started = time.perf_counter()
+    try:
+        with ddpgraph.init(backend="gloo", timeout=30) as rt:
+            if rt.rank == 1:
+                raise RuntimeError("rank 1 failed")
+    except RuntimeError:
+        pass
+    return {
+        "seconds": time.perf_counter() - started,
+        "initialized": dist.is_initialized(),
+        "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
+    }

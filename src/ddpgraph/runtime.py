@@ -18,7 +18,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from ._log import configure_logging
+from ._log import configure_logging, get_logger
 from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
 
 __all__ = ["Runtime", "check_unique_devices", "get_runtime", "init", "shutdown"]
@@ -63,7 +63,8 @@ class Runtime:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        shutdown()
+        # after an exception a peer may be gone or stuck: do not wait for it
+        shutdown(wait_for_peers=exc_type is None)
 
 
 @dataclass
@@ -114,12 +115,31 @@ def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIM
     return _state.runtime
 
 
-def shutdown() -> None:
-    """Destroy the process group that :func:`init` made (call on every rank); harmless if none."""
+def shutdown(*, wait_for_peers: bool = True) -> None:
+    """Wait for every rank, then destroy the process group that :func:`init` made.
+
+    Call it on every rank at the end of the job; harmless if there is no group. The barrier lets
+    every rank finish its collectives before any peer closes its connections or starts to exit.
+    That also narrows a race in torch's gloo backend: a worker thread that drops its last tensor
+    while the interpreter is finalizing aborts the process ("terminate called without an active
+    exception"), after a job that otherwise succeeded. Pass ``wait_for_peers=False`` on a failure path, where a peer may be gone or
+    stuck; leaving a ``with ddpgraph.init()`` block by an exception does that.
+    """
     global _state
     state, _state = _state, None
-    if state is not None and state.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if state is None or not state.owns_group or not dist.is_initialized():
+        return
+    if wait_for_peers and state.runtime.world_size > 1:
+        try:
+            dist.barrier()
+        except Exception as exc:  # the group goes anyway; say why the peers did not meet
+            get_logger().warning(
+                "ddpgraph.shutdown: the closing barrier failed (%s: %s); a peer rank has probably "
+                "failed or exited early. Destroying the process group anyway.",
+                type(exc).__name__,
+                exc,
+            )
+    dist.destroy_process_group()
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:

@@ -164,12 +164,15 @@ def _worker(
     os.environ.update(base_env)  # a caller's env may override RANK / LOCAL_RANK on purpose
     try:
         if init:
-            import ddpgraph
+            from . import runtime
 
-            with ddpgraph.init(backend=backend):
-                # report inside the group: its shutdown makes blocked peers fail, and their
-                # errors must not look like the first one
-                results.put(_run(fn, args, rank))
+            runtime.init(backend=backend)
+            # report inside the group: a failed rank's shutdown makes blocked peers fail, and
+            # their errors must not look like the first one
+            outcome = _run(fn, args, rank)
+            results.put(outcome)
+            # a failed rank must not wait for peers (its barrier would meet their collective)
+            runtime.shutdown(wait_for_peers=outcome.ok)
         else:
             results.put(_run(fn, args, rank))
     except BaseException as exc:  # init itself failed
