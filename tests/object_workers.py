@@ -276,3 +276,35 @@ def nccl_uses_the_bound_device() -> Any:
     thread.start()
     thread.join(30)
     return first, from_thread, seen
+
+
+def bad_argument_on(bad: int, op: str, argument: str) -> Any:
+    """Rank ``bad`` passes one bad argument; the others call correctly."""
+    kwargs: dict[str, Any] = {"timeout": 20}
+    if _rank() == bad:
+        kwargs.update({"codec": {"codec": "json"}, "max_bytes": {"max_bytes": 0}}.get(argument, {}))
+        if argument == "root":
+            kwargs["dst" if op == "gather_object" else "src"] = 5
+    return getattr(dg, op)({"rank": _rank()}, **kwargs)
+
+
+def timeout_after_reinit(late_by: float, timeout: float) -> list:
+    """Two init/shutdown rounds on one store; in round 2 rank 1 is late for its third call.
+
+    Round 1 leaves the arrival keys of its last call (#3) in the store: round 2 must not take
+    them for its own call #3.
+    """
+    rounds = []
+    for round_ in (1, 2):
+        dg.init(backend="gloo")
+        outcomes = []
+        for call in range(3):
+            if round_ == 2 and call == 2 and _rank() == 1:
+                time.sleep(late_by)
+            outcomes.append(capture(dg.all_gather_object, call, timeout=timeout))
+            if isinstance(outcomes[-1], Exception):
+                break
+        rounds.append(outcomes)
+        # round 2 ended by a timeout: do not wait for a peer that may still be on its way
+        dg.shutdown(wait_for_peers=round_ == 1)
+    return rounds

@@ -80,7 +80,7 @@ def test_wrong_list_length_is_a_clear_value_error_on_both_ranks(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     expected = (
-        "all_gather_object failed on ranks [0, 1]: rank 0 its object_list has length 3, but the "
+        "all_gather_object failed on ranks [0, 1]: rank 0: its object_list has length 3, but the "
         "group has 2 ranks; pass a list of length world_size, e.g. [None] * 2"
     )
     for rank in (0, 1):

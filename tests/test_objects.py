@@ -1,15 +1,19 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
 from ddpgraph.codec import encode
-from ddpgraph.errors import DistributedStateError
+from ddpgraph.errors import DistributedStateError, ObjectArgumentError
 from ddpgraph.testing import run_distributed
 
 from . import object_workers as w
+from .procs import run_python
 from .test_codec import same
 
 pytestmark = pytest.mark.timeout(180)
@@ -46,7 +50,7 @@ def test_single_process_fails_like_many(with_group):
     if with_group:
         dg.init()
     with pytest.raises(
-        ObjectCollectiveError, match=r'rank 0 cannot encode.*obj\["s"\] is a set'
+        ObjectCollectiveError, match=r'rank 0: cannot encode.*obj\["s"\] is a set'
     ) as info:
         dg.all_gather_object({"s": {1}})
     assert info.value.ranks == (0,)
@@ -221,7 +225,7 @@ def test_works_on_a_group_torch_made_without_ddpgraph_init():
 def test_a_long_error_text_is_cut_to_fit_the_slot():
     results = run_distributed(w.long_error_on, 2, args=(1,), timeout=60, return_exceptions=True)
     message = assert_same_error_everywhere(
-        results, ObjectCollectiveError, "rank 1 cannot encode", "[...]"
+        results, ObjectCollectiveError, "rank 1: cannot encode", "[...]"
     )
     assert "END" not in message and len(message) < 3000
 
@@ -239,3 +243,48 @@ def test_nccl_path_uses_the_bound_device_even_from_a_thread():
     for rank, (first, from_thread, seen) in enumerate(results):
         assert first == [0, 1] and from_thread == [[0, -1]]
         assert seen == [f"cuda:{rank}"] * 2
+
+
+@pytest.mark.parametrize(
+    ("op", "argument", "fragment"),
+    [
+        ("all_gather_object", "codec", "rank 1: codec='json' is not one of"),
+        ("all_gather_object", "max_bytes", "rank 1: max_bytes=0 is not a positive int"),
+        ("gather_object", "root", "rank 1: dst=5 is not a (global) rank of this group of 2"),
+        ("broadcast_object", "root", "rank 1: src=5 is not a (global) rank of this group of 2"),
+        ("broadcast_object", "codec", "rank 1: codec='json' is not one of"),
+    ],
+)
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(op, argument, fragment):
+    results = run_distributed(
+        w.bad_argument_on, 2, args=(1, op, argument), timeout=60, return_exceptions=True
+    )
+    message = assert_same_error_everywhere(results, ObjectArgumentError, fragment)
+    assert f"{op} failed on ranks [1]" in message
+    assert all(isinstance(exc, ValueError) for exc in results)  # as torch raises for bad args
+
+
+def test_store_keys_of_an_earlier_init_do_not_satisfy_a_later_timeout(tmp_path):
+    """Under torchrun the store outlives the group and torch reuses the group's name."""
+    script = tmp_path / "reinit.py"
+    script.write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})\n"
+        "from tests.object_workers import timeout_after_reinit\n"
+        "rounds = timeout_after_reinit(4.0, 1.5)\n"
+        "out = [[o if isinstance(o, list) else f'{type(o).__name__}: {o}' for o in r] for r in rounds]\n"
+        "json.dump(out, open(f'rank{os.environ[\"RANK\"]}.json', 'w'))\n"
+    )
+    proc = run_python(
+        ["-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        cwd=tmp_path,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0[0] == rank1[0] == [[0, 0], [1, 1], [2, 2]]  # round 1: all three calls
+    assert rank0[1][:2] == rank1[1][:2] == [[0, 0], [1, 1]]
+    assert rank0[1][2].startswith("CollectiveTimeout"), rank0[1]
+    assert "ranks [1] had not arrived" in rank0[1][2]
+    assert rank1[1][2].startswith("CollectiveTimeout"), rank1[1]
+    assert "after the others had given up" in rank1[1][2]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import pytest
@@ -90,11 +91,38 @@ def test_bad_environment_raises_from_init(monkeypatch):
     assert ddpgraph.get_runtime() is None
 
 
+@pytest.mark.parametrize("port", ["notaport", "0", "70000", "-5"])
+def test_a_bad_master_port_is_named_before_the_rendezvous(monkeypatch, port):
+    for var, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", port)
+    with pytest.raises(ConfigError, match=f"MASTER_PORT='{port}' is not a TCP port"):
+        ddpgraph.init()
+    assert ddpgraph.get_runtime() is None
+
+
+@pytest.mark.parametrize(
+    ("timeout", "message"),
+    [
+        (0, "timeout=0 must be a positive, finite number of seconds"),
+        (float("nan"), "timeout=nan must be a positive, finite"),
+        (float("inf"), "timeout=inf must be a positive, finite"),
+        (timedelta(seconds=-1), "must be positive"),
+        ("30", "timeout='30' is a str; pass seconds as a number, or a datetime.timedelta"),
+        (True, "timeout=True is a bool"),
+    ],
+)
+def test_bad_timeouts_are_named(timeout, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ddpgraph.init(timeout=timeout)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ddpgraph.all_gather_object(1, timeout=timeout)
+
+
 def test_bad_arguments():
     with pytest.raises(ConfigError, match="backend='mpi' is not supported"):
         ddpgraph.init(backend="mpi")
-    with pytest.raises(ConfigError, match="timeout=0 must be positive"):
-        ddpgraph.init(timeout=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")

@@ -185,6 +185,15 @@ _KNOWN: tuple[_Known, ...] = (
         "ddpgraph.all_gather_object returns a correctly sized list and names the failing rank",
     ),
     _known(
+        r"Connection (?:closed|reset) by peer|Broken pipe|NCCL error.*remote process exited",
+        "a peer rank is gone",
+        "another rank exited or crashed (or destroyed its process group) while this rank was "
+        "still inside a collective with it; this rank's error is only the consequence",
+        "find the first error in the other ranks' logs (torchrun prints the root-cause rank); "
+        "make every rank reach the same collectives, and call ddpgraph.shutdown() on all ranks "
+        "at the end",
+    ),
+    _known(
         r"an illegal memory access was encountered|illegal memory access",
         "illegal memory access",
         "a kernel read or wrote memory it does not own; with CUDA graphs usually a replay after "

@@ -31,7 +31,8 @@ import sys
 import time
 import weakref
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -46,6 +47,7 @@ from .errors import (
     DistributedStateError,
     ObjectArgumentError,
     ObjectCollectiveError,
+    with_explanation,
 )
 from .runtime import as_timedelta, check_unique_devices, get_runtime
 
@@ -98,8 +100,11 @@ def all_gather_object(
     process group's own timeout applies. ``max_bytes`` caps each rank's encoded object.
 
     Raises :class:`ObjectCollectiveError` on every rank if any rank cannot encode its object, is
-    over ``max_bytes``, or is not at the same call (codec, call number, call site);
-    :class:`CollectiveTimeout` naming the missing rank(s) after ``timeout``.
+    over ``max_bytes``, passed a bad argument, or is not at the same call (codec, call number,
+    call site); :class:`CollectiveTimeout` naming the missing rank(s) after ``timeout``. Limit:
+    a call that one rank skips in a loop, on the line that the next iteration calls again, looks
+    like that next call (same site, and each rank counts its own calls): the ranks then pair
+    different iterations until one runs out of calls, which ``timeout=`` turns into an error.
     """
     call = _Call.make("all_gather_object", group, codec, timeout, max_bytes, root=None)
     payloads = _exchange(call, obj, send=True)
@@ -180,23 +185,35 @@ class _Call:
         argument_error: str | None = None,
     ) -> _Call:
         _refuse_while_capturing(name)
-        if codec not in CODECS:
-            raise ValueError(f"{name}: codec={codec!r} is not one of {sorted(CODECS)}.")
-        if type(max_bytes) is not int or max_bytes < 1:
-            raise ValueError(f"{name}: max_bytes={max_bytes!r} must be a positive int.")
         pg, rank, world_size = _resolve_group(name, group)
+        # A bad argument on one rank is sent to every rank (status _BAD_ARGUMENT) instead of being
+        # raised here, where it would leave the peers waiting; stand-ins keep the header valid.
+        problems = [] if argument_error is None else [argument_error]
+        if codec not in CODECS:
+            problems.append(f"codec={codec!r} is not one of {sorted(CODECS)}")
+            codec = "data"
+        if type(max_bytes) is not int or max_bytes < 1:
+            problems.append(f"max_bytes={max_bytes!r} is not a positive int")
+            max_bytes = DEFAULT_MAX_BYTES
+        group_root = -1
+        if root is not None:
+            group_root, root_problem = _group_rank(name, pg, root)
+            problems += [root_problem] if root_problem else []
+        # a bad timeout stays local: without one this rank would skip the arrival check
+        # that its peers wait in (and the same code passes the same value on every rank)
+        limit = None if timeout is None else as_timedelta(timeout, caller=name)
         return cls(
             name,
             pg,
             rank,
             world_size,
-            -1 if root is None else _group_rank(name, pg, root),
+            group_root,
             codec,
-            None if timeout is None else as_timedelta(timeout, caller=name),
+            limit,
             max_bytes,
             _call_site(),
             arg,
-            argument_error,
+            "; ".join(problems) or None,
         )
 
 
@@ -239,22 +256,23 @@ def _resolve_group(
     return pg, rank, dist.get_world_size(pg)
 
 
-def _group_rank(name: str, pg: dist.ProcessGroup | None, root: int) -> int:
+def _group_rank(name: str, pg: dist.ProcessGroup | None, root: int) -> tuple[int, str | None]:
+    """``root``'s rank in the group, or 0 and what is wrong with it."""
     what = "dst" if name.startswith("gather") else "src"
     if pg is None:
         if root != 0:
-            raise ValueError(f"{name}: {what}={root}, but without a process group only 0 exists.")
-        return 0
+            return 0, f"{what}={root!r}, but without a process group only 0 exists"
+        return 0, None
     try:
         group_rank = dist.get_group_rank(pg, root)
-    except (ValueError, RuntimeError):
+    except (ValueError, RuntimeError, TypeError):
         group_rank = -1
     if not 0 <= group_rank < dist.get_world_size(pg):
-        raise ValueError(
-            f"{name}: {what}={root} is not a (global) rank of this group of "
-            f"{dist.get_world_size(pg)}; pass the global rank of a member."
+        return 0, (
+            f"{what}={root!r} is not a (global) rank of this group of "
+            f"{dist.get_world_size(pg)}; pass the global rank of a member"
         )
-    return group_rank
+    return group_rank, None
 
 
 def _call_site() -> tuple[int, str]:
@@ -292,6 +310,7 @@ class _Header(NamedTuple):
 
 @dataclass
 class _GroupState:
+    store_prefix: str  # this group's keys in the rendezvous store
     seq: int = 0  # object collectives this rank has entered on the group
     device: torch.device | None = None  # on NCCL: the rank's device, once checked unique
     on_cpu: bool | None = None  # the group's backend carries CPU tensors (gloo); found once
@@ -312,16 +331,32 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
         slot = memoryview(_header(call, 1, status, size) + payload[:_INLINE])
         _raise_on_problems(call, [_parse_header(slot)], [slot])
         return [memoryview(payload)]
-    state = _groups.setdefault(call.group, _GroupState())
+    state = _group_state(call.group)
     device = _device_for(call, state)
     state.seq += 1
     if call.timeout is not None:
         _await_arrivals(call, state.seq)
     header = _header(call, state.seq, status, size)
-    slots = _first_round(call, device, state, header, parts, size)
+    with _explained(call, state.seq):
+        slots = _first_round(call, device, state, header, parts, size)
     headers = [_parse_header(slots[r]) for r in range(call.world_size)]
     _raise_on_problems(call, headers, slots)
-    return _second_round(call, device, headers, slots, parts, size)
+    with _explained(call, state.seq):
+        return _second_round(call, device, headers, slots, parts, size)
+
+
+@contextmanager
+def _explained(call: _Call, seq: int) -> Iterator[None]:
+    """torch's own collective errors (a peer gone, a group timeout) with the call and its fix."""
+    try:
+        yield
+    except (RuntimeError, TimeoutError) as exc:
+        if isinstance(exc, ObjectCollectiveError):
+            raise
+        raise ObjectCollectiveError(
+            f"{call.name} at {call.site[1]} (call #{seq} on this group) failed inside torch's "
+            f"collective on rank {call.rank}: {with_explanation(exc)}"
+        ) from exc
 
 
 def _encode(call: _Call, obj: Any) -> tuple[int, list[bytes | memoryview]]:
@@ -405,7 +440,7 @@ def _device_for(call: _Call, state: _GroupState) -> torch.device:
                 call.rank,
                 call.world_size,
                 device,
-                key=f"{_store_prefix(call)}/devices",
+                key=f"{state.store_prefix}/devices",
                 timeout=call.timeout or _DEFAULT_CHECK_TIMEOUT,
             )
         except CollectiveTimeout as exc:
@@ -428,10 +463,14 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _store_prefix(call: _Call) -> str:
-    assert call.group is not None
-    name = dist.distributed_c10d._get_process_group_name(call.group)
-    return f"ddpgraph/objects/{name}"
+def _group_state(group: dist.ProcessGroup) -> _GroupState:
+    state = _groups.get(group)
+    if state is None:
+        # The default store of a group ddpgraph.init made is prefixed per init, so these keys
+        # never meet those of an earlier group of the same name in torchrun's long-lived store.
+        name = dist.distributed_c10d._get_process_group_name(group)
+        state = _groups[group] = _GroupState(f"ddpgraph/objects/{name}")
+    return state
 
 
 def _await_arrivals(call: _Call, seq: int) -> None:
@@ -443,7 +482,9 @@ def _await_arrivals(call: _Call, seq: int) -> None:
     """
     assert call.timeout is not None
     store = dist.distributed_c10d._get_default_store()
-    key = f"{_store_prefix(call)}/{seq}"
+    assert call.group is not None
+    prefix = _group_state(call.group).store_prefix
+    key = f"{prefix}/{seq}"
     store.append(f"{key}/who", f"{call.rank},")  # type: ignore[attr-defined]  # missing from stubs
     last = store.add(f"{key}/n", 1) == call.world_size
     start = time.monotonic()
@@ -467,7 +508,7 @@ def _await_arrivals(call: _Call, seq: int) -> None:
         if last and seq > 1:
             # Every rank is past call seq - 1 (it arrived here), so its keys can go.
             for name in ("who", "n", "go"):
-                store.delete_key(f"{_store_prefix(call)}/{seq - 1}/{name}")
+                store.delete_key(f"{prefix}/{seq - 1}/{name}")
         return
     arrived = sorted({int(r) for r in store.get(f"{key}/who").decode().split(",") if r})
     missing = sorted(set(range(call.world_size)) - set(arrived))
@@ -612,6 +653,8 @@ def _raise_on_problems(
         for h in good
     ):
         return  # the common case, decided without building any message
+    if any(h.status == _BAD_ARGUMENT for h in good):
+        _raise_on_status(good, slots)  # first: a stand-in value may also look like a mismatch
     _raise_on_mismatch(good)
     _raise_on_status(good, slots)
     _raise_on_size(good)
@@ -662,12 +705,12 @@ def _raise_on_status(headers: list[_Header], slots: list[memoryview | None]) -> 
         text = bytes(slot[_HEADER.size : _HEADER.size + min(h.size, _INLINE)]).decode(
             errors="replace"
         )
-        reasons.append(f"rank {r} {text}")
+        reasons.append(f"rank {r}: {text.rstrip('.')}")
     op = _OPS.get(headers[0].op, "object collective")
     bad_argument = any(headers[r].status == _BAD_ARGUMENT for r in failed)
     error = ObjectArgumentError if bad_argument else ObjectCollectiveError
     raise error(
-        f"{op} failed on ranks {failed}: " + "; ".join(reasons) + ". Every rank raised this "
+        f"{op} failed on ranks {failed}: " + " | ".join(reasons) + ". Every rank raised this "
         "error and nothing was returned.",
         failed,
     )

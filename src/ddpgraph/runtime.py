@@ -25,6 +25,7 @@ __all__ = ["Runtime", "check_unique_devices", "get_runtime", "init", "shutdown"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("nccl", "gloo")
+_MAX_TIMEOUT_S = 10**9  # about 31 years: beyond it a timeout is a typo, and timedelta overflows
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,20 @@ def _env_int(env: Mapping[str, str], name: str) -> int:
 
 def as_timedelta(timeout: float | timedelta, *, caller: str) -> timedelta:
     """``timeout`` (seconds or a timedelta) as a positive timedelta, or :class:`ConfigError`."""
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
+    if isinstance(timeout, timedelta):
+        value = timeout
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        if not 0 < timeout < _MAX_TIMEOUT_S:  # also NaN and inf, which timedelta cannot hold
+            raise ConfigError(
+                f"{caller}: timeout={timeout!r} must be a positive, finite number of seconds."
+            )
+        value = timedelta(seconds=timeout)
+    else:
+        raise ConfigError(
+            f"{caller}: timeout={timeout!r} is a {type(timeout).__name__}; pass seconds as a "
+            "number, or a datetime.timedelta."
+        )
+    if not value.total_seconds() > 0:  # not "<= 0": NaN is refused too
         raise ConfigError(
             f"{caller}: timeout={timeout!r} must be positive (seconds or a timedelta)."
         )
@@ -248,21 +261,21 @@ def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
         for var in ("MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
                 raise ConfigError(f"{var} is not set; launch with torchrun, which sets it.")
+        _check_port(os.environ["MASTER_PORT"])
         store = _rendezvous(launch, timeout)
     else:
         store = dist.HashStore()
     _init_count += 1
+    generation = f"ddpgraph/{_restart_tag()}/init{_init_count}"
     check_unique_devices(
-        store,
-        launch.rank,
-        launch.world_size,
-        device,
-        key=f"ddpgraph/{_restart_tag()}/init{_init_count}",
-        timeout=timeout,
+        store, launch.rank, launch.world_size, device, key=generation, timeout=timeout
     )
     dist.init_process_group(
         name,
-        store=store,
+        # torch names the group "0" again after destroy_process_group, and torchrun's store
+        # outlives it: without a prefix of its own, a second init would read the first group's
+        # addresses (gloo: "Connection refused") or its NCCL unique id.
+        store=dist.PrefixStore(f"{generation}/pg", store),
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,
@@ -288,10 +301,19 @@ def _rendezvous(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise CollectiveTimeout(
             f"rank {launch.rank}: the rendezvous at {where} did not complete within "
-            f"{timeout.total_seconds():g}s ({str(exc).splitlines()[0]}); start all "
-            f"{launch.world_size} ranks with the same MASTER_ADDR/MASTER_PORT, or raise timeout=."
+            f"{timeout.total_seconds():g}s ({str(exc).splitlines()[0]}); check that MASTER_ADDR "
+            f"resolves and is reachable from this host, that all {launch.world_size} rank(s) "
+            "were started with the same MASTER_ADDR/MASTER_PORT, or raise timeout=."
         ) from exc
     return store
+
+
+def _check_port(value: str) -> None:
+    if not (value.strip().isdigit() and 0 < int(value) < 65536):
+        raise ConfigError(
+            f"MASTER_PORT={value!r} is not a TCP port (1-65535); launch with torchrun, which "
+            "sets it, or set a free port number."
+        )
 
 
 def _adopt_group(timeout: timedelta) -> Runtime:
