@@ -138,9 +138,14 @@ def test_state_dict_round_trip_resumes_exactly():
         ({"graph": "sometimes"}, "graph='sometimes' must be one of"),
         ({"amp": "fp16"}, "amp='fp16' is not supported; use amp='bf16'"),
         ({"accumulate": 0}, "accumulate=0 must be an integer >= 1"),
-        ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0 must be positive"),
+        ({"accumulate": True}, "accumulate=True must be an integer >= 1"),
+        ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0 must be a positive, finite number"),
+        ({"clip_grad_norm": "1"}, "clip_grad_norm='1' must be a positive, finite number"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan must be a positive"),
         ({"on_new_shape": "pad"}, "on_new_shape='pad' must be one of"),
         ({"warmup": 0}, "warmup=0 must be an integer >= 1"),
+        ({"warmup": True}, "warmup=True must be an integer >= 1"),
+        ({"channels_last": "yes"}, "channels_last='yes' must be True or False"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, message):

@@ -48,3 +48,11 @@ def test_bad_arguments():
         run_distributed(workers.return_rank, 0)
     with pytest.raises(ValueError, match="timeout=0"):
         run_distributed(workers.return_rank, 1, timeout=0)
+    with pytest.raises(ValueError, match=r"fn=.*<lambda> cannot be imported by the workers"):
+        run_distributed(lambda: 1, 2)
+
+    def nested() -> int:
+        return 1
+
+    with pytest.raises(ValueError, match=r"fn=.*<locals>.nested cannot be imported"):
+        run_distributed(nested, 2)

@@ -18,6 +18,7 @@ Facts this module is built on (measured on an H200, torch 2.11, NCCL 2.28; see R
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import traceback
 import warnings
@@ -75,12 +76,26 @@ class StepOptions:
                 f"amp={self.amp!r} is not supported; use amp='bf16' (fp16 needs a loss scaler "
                 "whose inf checks cannot be captured) or amp=None."
             )
-        if not isinstance(self.accumulate, int) or self.accumulate < 1:
+        if not _is_int(self.accumulate) or self.accumulate < 1:
             raise ConfigError(f"accumulate={self.accumulate!r} must be an integer >= 1.")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise ConfigError(f"clip_grad_norm={self.clip_grad_norm!r} must be positive or None.")
-        if self.warmup is not None and (not isinstance(self.warmup, int) or self.warmup < 1):
+        if self.clip_grad_norm is not None and not (
+            _is_number(self.clip_grad_norm) and 0 < self.clip_grad_norm < math.inf
+        ):
+            raise ConfigError(
+                f"clip_grad_norm={self.clip_grad_norm!r} must be a positive, finite number or None."
+            )
+        if self.warmup is not None and (not _is_int(self.warmup) or self.warmup < 1):
             raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 1 or None.")
+        if not isinstance(self.channels_last, bool):
+            raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _check_compile(value: object) -> None:

@@ -86,6 +86,13 @@ def run_distributed(
     not all done within ``timeout`` seconds, all are killed and :class:`WorkerTimeout` names the
     ranks still running.
     """
+    qualname = getattr(fn, "__qualname__", "")
+    if "<" in qualname or not qualname:
+        # the workers import fn by module and name: a lambda or nested function has no such name
+        raise ValueError(
+            f"run_distributed: fn={qualname or repr(fn)} cannot be imported by the workers; pass a "
+            "function defined at the top level of a module (not a lambda or a nested function)."
+        )
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     if timeout <= 0:

@@ -47,6 +47,25 @@ def test_bad_cli_values_are_refused():
     assert proc.returncode == 2 and "'vgg' is not one of" in proc.stderr
 
 
+@pytest.mark.timeout(60)
+def test_what_would_fail_late_is_refused_before_any_worker_starts(tmp_path):
+    def train(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "ddpgraph", "train", "--steps", "2", "--nproc", "2"]
+        return subprocess.run([*command, *args], capture_output=True, text=True, timeout=50)
+
+    # a batch larger than a rank's share of the data set: drop_last leaves no batch at all
+    proc = train("--batch-size", "5000", "--out", str(tmp_path / "a"))
+    assert proc.returncode == 2
+    assert "--batch-size 5000 is more than the 4096 training samples each of the 2" in proc.stderr
+    assert "use --batch-size 4096 or less" in proc.stderr
+    # an --out that cannot be written, found before training instead of after it
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = train("--out", str(blocker / "sub"))
+    assert proc.returncode == 2 and f"--out {blocker / 'sub'} is not a writable" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("name", sorted(SAMPLE_SHAPES))
 def test_models_accept_their_data(name):
     data = synthetic_patterns(SAMPLE_SHAPES[name], num_samples=8, seed=0)
