@@ -308,3 +308,10 @@ def timeout_after_reinit(late_by: float, timeout: float) -> list:
         # round 2 ended by a timeout: do not wait for a peer that may still be on its way
         dg.shutdown(wait_for_peers=round_ == 1)
     return rounds
+
+
+def peer_exits_before(bad: int) -> Any:
+    """Rank ``bad`` dies without a word; the others' gather meets a closed connection."""
+    if _rank() == bad:
+        os._exit(3)
+    return capture(dg.all_gather_object, {"rank": _rank()})

@@ -46,6 +46,17 @@ KNOWN = [
         "object collective failure or hang",
     ),
     (
+        "RuntimeError: [third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+        "[127.0.0.1]:22408: Connection reset by peer.",
+        "a peer rank is gone",
+    ),
+    (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out "
+        "waiting 1800000ms for recv operation to complete; Connection closed by peer "
+        "[10.0.0.2]:4721",
+        "a peer rank is gone",
+    ),
+    (
         "RuntimeError: CUDA error: an illegal memory access was encountered",
         "illegal memory access",
     ),

@@ -288,3 +288,14 @@ def test_store_keys_of_an_earlier_init_do_not_satisfy_a_later_timeout(tmp_path):
     assert "ranks [1] had not arrived" in rank0[1][2]
     assert rank1[1][2].startswith("CollectiveTimeout"), rank1[1]
     assert "after the others had given up" in rank1[1][2]
+
+
+def test_a_peer_that_dies_mid_call_gives_an_explained_error_naming_the_call():
+    results = run_distributed(w.peer_exits_before, 2, args=(1,), timeout=60, return_exceptions=True)
+    error = results[0]
+    assert isinstance(error, ObjectCollectiveError), error
+    message = str(error)
+    assert "all_gather_object at object_workers.py:" in message
+    assert "failed inside torch's collective on rank 0" in message
+    assert "ddpgraph explains: a peer rank is gone" in message
+    assert "Connection" in message  # torch's own text is kept (pickling drops __cause__)
