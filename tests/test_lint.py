@@ -183,3 +183,10 @@ def test_cli_directory_is_linted_recursively(tmp_path: Path):
     result = CliRunner().invoke(cli, ["lint", "--format", "json", str(tmp_path)])
     assert result.exit_code == 1
     assert len(json.loads(result.output)["findings"]) == 2
+
+
+def test_cli_directory_without_python_files_is_an_error_not_a_pass(tmp_path):
+    (tmp_path / "notes.txt").write_text("not python")
+    result = CliRunner().invoke(cli, ["lint", str(tmp_path)])
+    assert result.exit_code == 2
+    assert f"{tmp_path}: is a directory without any *.py file" in result.output

@@ -540,8 +540,8 @@ def _rule_object_list_size(mod: _Module, emit: _Emit) -> None:
             emit(
                 call,
                 "DG102",
-                f"{func}() gets an output list {problem}, not one entry per rank; with another "
-                "world size it raises or leaves silent None entries",
+                f"{func}() gets an output list {problem}, not one entry per rank; at any other "
+                "length than the world size torch raises or leaves silent None entries",
                 "pass [None] * dist.get_world_size() (or use ddpgraph.all_gather_object, which "
                 "returns the list)",
             )
@@ -561,9 +561,12 @@ def _fixed_sizes(mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0) -
         yield "list() (empty)"
     elif isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Mult):
         for lst, size in ((expr.left, expr.right), (expr.right, expr.left)):
-            fixed = _int_value(mod, size) is not None and not _mentions_world_size(size)
-            if isinstance(lst, ast.List) and fixed:
+            if not isinstance(lst, ast.List):
+                continue
+            if _int_value(mod, size) is not None and not _mentions_world_size(size):
                 yield f"{_text(expr)} of {_int_value(mod, size)} entries"
+            elif (offset := _world_size_offset(mod, size)) is not None:
+                yield f"{_text(expr)} of world size {offset:+d} entries"
     elif isinstance(expr, ast.ListComp) and len(expr.generators) == 1:
         count = _range_count(mod, expr.generators[0].iter)
         if count is not None and not _mentions_world_size(expr.generators[0].iter):
@@ -572,6 +575,19 @@ def _fixed_sizes(mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0) -
         value = _last_assignment(mod, expr.id, call)
         if value is not None:
             yield from _fixed_sizes(mod, value, call, depth + 1)
+
+
+def _world_size_offset(mod: _Module, expr: ast.expr) -> int | None:
+    """k where ``expr`` is ``<world size> + k`` or ``- k`` with k a non-zero literal, else None."""
+    if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add | ast.Sub)):
+        return None
+    sign = 1 if isinstance(expr.op, ast.Add) else -1
+    for world, k in ((expr.left, expr.right), (expr.right, expr.left)):
+        value = _int_value(mod, k)
+        if value and _mentions_world_size(world) and not _mentions_world_size(k):
+            # "1 - world" is not a size anyone means; report the common forms only
+            return sign * value if world is expr.left else (value if sign == 1 else None)
+    return None
 
 
 def _mentions_world_size(expr: ast.expr) -> bool:
@@ -1048,17 +1064,13 @@ def lint_paths(paths: Iterable[str | Path]) -> tuple[list[Finding], list[LintErr
     """Lint every file (directories: their ``*.py``); return the findings and the files that failed."""
     findings: list[Finding] = []
     errors: list[LintError] = []
-    for path in _expand(paths):
-        try:
-            findings.extend(lint_file(path))
-        except LintError as exc:
-            errors.append(exc)
-    return findings, errors
-
-
-def _expand(paths: Iterable[str | Path]) -> Iterator[Path]:
     for path in map(Path, paths):
-        if path.is_dir():
-            yield from sorted(path.rglob("*.py"))
-        else:
-            yield path
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        if not files:  # a wrong directory must not pass as "no findings"
+            errors.append(LintError(str(path), "is a directory without any *.py file"))
+        for file in files:
+            try:
+                findings.extend(lint_file(file))
+            except LintError as exc:
+                errors.append(exc)
+    return findings, errors
