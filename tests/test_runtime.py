@@ -246,3 +246,21 @@ def test_leaving_init_by_an_exception_skips_the_barrier_and_the_peer_is_told():
     assert survivor["initialized"] is False
     assert survivor["seconds"] < 25, "the survivor waited for the whole group timeout"
     assert any("closing barrier failed" in w for w in survivor["warnings"]), survivor
+
+
+def test_an_adopted_group_gets_the_same_device_check():
+    results = run_distributed(
+        workers.adopt_with_fake_uuids,
+        2,
+        args=(["GPU-same", "GPU-same"],),
+        init=False,
+        timeout=60,
+        return_exceptions=True,
+    )
+    for exc in results:
+        assert isinstance(exc, DeviceConflictError), exc
+        assert "ranks 0, 1" in str(exc) and "GPU-same" in str(exc)
+    distinct = run_distributed(
+        workers.adopt_with_fake_uuids, 2, args=(["GPU-a", "GPU-b"],), init=False, timeout=60
+    )
+    assert distinct == ["cpu", "cpu"]

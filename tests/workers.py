@@ -106,3 +106,16 @@ def shutdown_while_peer_fails() -> dict:
         "initialized": dist.is_initialized(),
         "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
     }
+
+
+def adopt_with_fake_uuids(uuids: list[str]) -> str:
+    """The application makes the group itself, then calls ddpgraph.init (CI has no GPU)."""
+    from ddpgraph import runtime
+
+    rank = int(os.environ["RANK"])
+    runtime.device_identity = lambda device: uuids[rank]  # type: ignore[assignment]
+    dist.init_process_group("gloo")
+    try:
+        return str(ddpgraph.init().device)
+    finally:
+        dist.destroy_process_group()

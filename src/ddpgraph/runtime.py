@@ -324,10 +324,18 @@ def _adopt_group(timeout: timedelta) -> Runtime:
             f"the existing process group has rank {rank} of {world_size}, but RANK={launch.rank} "
             f"and WORLD_SIZE={launch.world_size}; create the group from the same environment."
         )
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
+    device = _adopted_device()
+    # The application bound (or forgot to bind) the device itself: check it like init() does,
+    # so that two ranks on one GPU fail here, naming the ranks, instead of hanging in NCCL.
+    global _init_count
+    _init_count += 1
+    check_unique_devices(
+        dist.distributed_c10d._get_default_store(),
+        rank,
+        world_size,
+        device,
+        key=f"ddpgraph/{_restart_tag()}/adopt{_init_count}",
+        timeout=timeout,
     )
     return Runtime(
         rank,
@@ -338,6 +346,16 @@ def _adopt_group(timeout: timedelta) -> Runtime:
         str(dist.get_backend()),
         timeout,
     )
+
+
+def _adopted_device() -> torch.device:
+    """The device an existing group is bound to (device_id=), else the current CUDA device."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    if bound is not None and bound.type == "cuda":
+        return torch.device(bound)
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _restart_tag() -> str:
