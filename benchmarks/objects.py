@@ -2,7 +2,8 @@
 
 Times ``ddpgraph.all_gather_object`` (data codec, and pickle codec) against
 ``torch.distributed.all_gather_object`` and one raw tensor all-gather of the same number of bytes,
-for objects of about 100 B, 10 KB, 1 MB and 64 MB. Every call is preceded by a barrier (not
+and ``gather_object`` / ``broadcast_object`` against torch's ``gather_object`` /
+``broadcast_object_list`` (root 0), for objects of about 100 B, 10 KB, 1 MB and 64 MB. Every call is preceded by a barrier (not
 timed) and the methods take turns call by call; each rank takes the median of its calls and
 the slowest rank's median is reported.
 
@@ -91,6 +92,13 @@ def measure(backend: str, quick: bool) -> dict[str, Any] | None:
             "ddpgraph": lambda obj=obj: dg.all_gather_object(obj),
             "ddpgraph_pickle": lambda obj=obj: dg.all_gather_object(obj, codec="pickle"),
             "raw_all_gather": lambda i=raw_in, o=raw_out: _ALL_GATHER(o, i),
+            "torch_gather": lambda obj=obj, out=out: dist.gather_object(
+                obj, out if rank == 0 else None, dst=0
+            ),
+            "ddpgraph_gather": lambda obj=obj: dg.gather_object(obj, dst=0),
+            # a fresh list each call: torch overwrites it in place on the receivers
+            "torch_broadcast": lambda obj=obj: dist.broadcast_object_list([obj], src=0),
+            "ddpgraph_broadcast": lambda obj=obj: dg.broadcast_object(obj, src=0),
         }
         medians = _timed(methods, iters, sync)
         # the slowest rank's median: the job waits for it
@@ -105,12 +113,14 @@ def measure(backend: str, quick: bool) -> dict[str, Any] | None:
                 "ddpgraph_vs_torch": worst["ddpgraph"] / worst["torch"],
                 "ddpgraph_pickle_vs_torch": worst["ddpgraph_pickle"] / worst["torch"],
                 "ddpgraph_vs_raw": worst["ddpgraph"] / worst["raw_all_gather"],
+                "gather_vs_torch": worst["ddpgraph_gather"] / worst["torch_gather"],
+                "broadcast_vs_torch": worst["ddpgraph_broadcast"] / worst["torch_broadcast"],
             }
         )
     if rank != 0:
         return None
     return {
-        "benchmark": "object collectives: all_gather_object",
+        "benchmark": "object collectives: all_gather_object, gather_object, broadcast_object",
         "backend": backend,
         "world_size": world,
         "device": torch.cuda.get_device_name(device) if on_gpu else platform.processor() or "cpu",
@@ -152,13 +162,17 @@ def main() -> None:
     out = args.out or ROOT / "benchmarks" / "results" / f"objects-{kind}-{args.backend}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"{'case':>6} {'torch':>10} {'ddpgraph':>10} {'pickle':>10} {'raw':>10}  ratio")
+    print(
+        f"{'case':>6} {'torch':>10} {'ddpgraph':>10} {'pickle':>10} {'raw':>10}  "
+        "all_gather  gather  broadcast (x torch)"
+    )
     for r in report["results"]:
         m = r["median_s"]
         print(
             f"{r['case']:>6} {m['torch'] * 1e3:9.3f}ms {m['ddpgraph'] * 1e3:9.3f}ms "
             f"{m['ddpgraph_pickle'] * 1e3:9.3f}ms {m['raw_all_gather'] * 1e3:9.3f}ms  "
-            f"{r['ddpgraph_vs_torch']:.2f}x"
+            f"{r['ddpgraph_vs_torch']:10.2f}  {r['gather_vs_torch']:6.2f}  "
+            f"{r['broadcast_vs_torch']:9.2f}"
         )
     print(f"wrote {out}", file=sys.stderr)
 
