@@ -190,3 +190,53 @@ def test_cli_directory_without_python_files_is_an_error_not_a_pass(tmp_path):
     result = CliRunner().invoke(cli, ["lint", str(tmp_path)])
     assert result.exit_code == 2
     assert f"{tmp_path}: is a directory without any *.py file" in result.output
+
+
+WARMUP_NESTED = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+def f(net, x, s):
+    torch.cuda.set_device(0)
+    with torch.cuda.stream(s):
+        model = DDP(net)
+{warmup}
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        model(x)
+"""
+
+
+@pytest.mark.parametrize(
+    ("warmup", "count"),
+    [
+        # epochs x batches: 2 x 50 = 100, a multiple of 100
+        (
+            "        for e in range(2):\n            for i in range(50):\n                model(x)",
+            100,
+        ),
+        (
+            "        for e in range(2):\n            for i in range(6):\n                model(x)",
+            None,
+        ),
+        # sequential loops add up: 10 + 1 = 11 is fine, 10 + 0 is not
+        ("        model(x)\n        for i in range(10):\n            model(x)", None),
+        (
+            "        for i in range(10):\n            model(x)\n        for i in range(0):\n            model(x)",
+            10,
+        ),
+        # two forwards per iteration
+        ("        for i in range(50):\n            model(x)\n            model(x)", 100),
+    ],
+)
+def test_warmup_count_multiplies_nested_loops_and_adds_sequential_ones(warmup, count):
+    findings = lint_source(WARMUP_NESTED.format(warmup=warmup))
+    if count is None:
+        assert findings == []
+    else:
+        (finding,) = findings
+        assert finding.code == "DG104" and f"{count} eager DDP iteration(s)" in finding.message
+
+
+def test_warmup_count_it_cannot_prove_is_not_reported():
+    warmup = "        n = 0\n        while n < 3:\n            model(x)\n            n += 1"
+    assert lint_source(WARMUP_NESTED.format(warmup=warmup)) == []
