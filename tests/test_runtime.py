@@ -264,3 +264,9 @@ def test_an_adopted_group_gets_the_same_device_check():
         workers.adopt_with_fake_uuids, 2, args=(["GPU-a", "GPU-b"],), init=False, timeout=60
     )
     assert distinct == ["cpu", "cpu"]
+
+
+def test_a_lone_local_rank_is_named_not_silently_ignored():
+    with pytest.warns(UserWarning, match=r"LOCAL_RANK=1 is set but RANK and WORLD_SIZE are not"):
+        launch = read_launch_env({"LOCAL_RANK": "1"})
+    assert launch.world_size == 1 and launch.local_rank == 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -147,6 +148,14 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Validate the launcher variables; raise :class:`ConfigError` naming the bad one and the fix."""
     env = os.environ if environ is None else environ
     if "RANK" not in env and "WORLD_SIZE" not in env:
+        if env.get("LOCAL_RANK", "0").strip() not in ("", "0"):
+            # e.g. a variable left over from a parent job: say so rather than silently use cuda:0
+            warnings.warn(
+                f"LOCAL_RANK={env['LOCAL_RANK']} is set but RANK and WORLD_SIZE are not, so "
+                "ddpgraph runs a single process on device 0 and ignores it; launch with torchrun "
+                "to run several ranks, or unset LOCAL_RANK.",
+                stacklevel=3,
+            )
         return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
     for name in ("RANK", "WORLD_SIZE"):
         if name not in env:
