@@ -189,7 +189,10 @@ def test_a_rank_that_never_arrives_is_named_within_the_timeout(world_size):
             assert "after the others had given up" in str(exc)
         else:
             assert f"ranks [{missing}] had not arrived" in str(exc)
-            assert timeout <= elapsed < timeout + 2.0  # the grace: store polling, process start
+            # the store's own clock may end the wait a few microseconds before time.monotonic
+            # says the timeout has passed (seen once in CI: 1.49999 s); the grace above covers
+            # store polling and process start
+            assert timeout - 0.05 <= elapsed < timeout + 2.0
 
 
 def test_after_a_straggler_times_out_every_rank_recovers_in_step():
