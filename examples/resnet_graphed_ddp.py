@@ -95,6 +95,13 @@ def main() -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     rt = ddpgraph.init()  # binds cuda:LOCAL_RANK before any CUDA work, checks GPUs are unique
+    train(args, rt)
+    # after train() returned: shutdown frees the DDP model and its process group while the
+    # interpreter is fully alive, instead of leaving them to the exit
+    ddpgraph.shutdown()
+
+
+def train(args: argparse.Namespace, rt: ddpgraph.Runtime) -> None:
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model, sample_shape, described = make_model(args.arch, args.image_size)
     model = model.to(rt.device)
@@ -136,7 +143,6 @@ def main() -> None:
     if rt.is_main:
         print(f"final loss {final_loss:.4f}; {args.steps / seconds:.1f} steps/s on rank 0")
         print(step.report(), flush=True)
-    ddpgraph.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -270,3 +272,27 @@ def test_a_lone_local_rank_is_named_not_silently_ignored():
     with pytest.warns(UserWarning, match=r"LOCAL_RANK=1 is set but RANK and WORLD_SIZE are not"):
         launch = read_launch_env({"LOCAL_RANK": "1"})
     assert launch.world_size == 1 and launch.local_rank == 0
+
+
+def _ddp_trained_briefly() -> weakref.ref:
+    model = torch.nn.Linear(4, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(2, 4)).sum().backward()
+    # DDP is usually in a reference cycle already (not after every import: torch._dynamo
+    # changes its hooks); make sure of it, so that only a collection can free it
+    ddp.self_reference = [ddp]  # type: ignore[assignment]
+    return weakref.ref(ddp)
+
+
+def test_shutdown_frees_a_ddp_model_the_caller_no_longer_holds():
+    """DDP is cyclic and holds the group: left to the exit, gloo's threads can abort it."""
+    gc.collect()
+    gc.disable()  # only shutdown's own collection may free it
+    try:
+        ddpgraph.init()
+        ddp = _ddp_trained_briefly()
+        assert ddp() is not None, "DDP is in a reference cycle: freed only by the cyclic GC"
+        ddpgraph.shutdown()
+        assert ddp() is None
+    finally:
+        gc.enable()

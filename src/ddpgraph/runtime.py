@@ -7,6 +7,7 @@ host share a GPU before NCCL is touched. Everything else in ddpgraph relies on t
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import warnings
@@ -122,10 +123,13 @@ def shutdown(*, wait_for_peers: bool = True) -> None:
 
     Call it on every rank at the end of the job; harmless if there is no group. The barrier lets
     every rank finish its collectives before any peer closes its connections or starts to exit.
-    That also narrows a race in torch's gloo backend: a worker thread that drops its last tensor
-    while the interpreter is finalizing aborts the process ("terminate called without an active
-    exception"), after a job that otherwise succeeded. Pass ``wait_for_peers=False`` on a failure path, where a peer may be gone or
-    stuck; leaving a ``with ddpgraph.init()`` block by an exception does that.
+    Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
+    the caller no longer holds is freed with its process group now, not during interpreter
+    finalization, where torch's gloo threads can abort a job that succeeded ("terminate called
+    without an active exception"). So let training objects go out of scope (return from the
+    function that built them) before calling shutdown. Pass ``wait_for_peers=False`` on a
+    failure path, where a peer may be gone or stuck; leaving a ``with ddpgraph.init()`` block by
+    an exception does that.
     """
     global _state
     state, _state = _state, None
@@ -142,6 +146,10 @@ def shutdown(*, wait_for_peers: bool = True) -> None:
                 exc,
             )
     dist.destroy_process_group()
+    # DDP sits in a reference cycle and holds the process group: collected only by the cyclic
+    # GC, often during interpreter finalization, where gloo's threads can abort the process.
+    # Collect now, so that a DDP model the caller no longer holds takes the group with it.
+    gc.collect()
 
 
 def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
