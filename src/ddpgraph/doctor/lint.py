@@ -682,12 +682,13 @@ def _warmup_before(
         if placed is None:
             return None
         parent, body, index = placed
-        counted = _eager_calls(mod, body[:index], targets)
-        if counted is None:
-            return None  # eager calls the linter cannot count
-        count, where = counted
-        if count and where is not None:
-            return count, where
+        for stmt in reversed(body[:index]):
+            loop = _loop_calling(mod, stmt, targets)
+            if loop is not None:
+                count = _range_count(mod, loop.iter)
+                return (count, loop.iter) if count is not None else None
+            if _reaches_ddp(mod, stmt, targets):
+                return None  # eager calls the linter cannot count
         if isinstance(parent, ast.If) and body is parent.body:
             equal_to = _equality(mod, parent.test) or equal_to
         if isinstance(parent, ast.For) and equal_to is not None:
@@ -718,39 +719,11 @@ def _never_warmed(mod: _Module, capture: ast.With, models: Sequence[_Made]) -> b
     return True
 
 
-def _eager_calls(
-    mod: _Module, stmts: Sequence[ast.stmt], targets: set[str]
-) -> tuple[int, ast.AST | None] | None:
-    """How often ``stmts`` run a DDP forward, and where that count is set (the outermost loop);
-    None when it is not provable (a while loop, a branch, a helper that calls the model)."""
-    total, where = 0, None
-    for stmt in stmts:
-        counted = _eager_calls_in(mod, stmt, targets)
-        if counted is None:
-            return None
-        if counted[0]:
-            total, where = total + counted[0], counted[1]
-    return total, where
-
-
-def _eager_calls_in(
-    mod: _Module, stmt: ast.stmt, targets: set[str]
-) -> tuple[int, ast.AST | None] | None:
-    if not _reaches_ddp(mod, stmt, targets) or any(c.node is stmt for c in mod.captures):
-        return 0, None  # a capture's own forward is not an eager iteration
-    if isinstance(stmt, ast.For) and not stmt.orelse:
-        # nested loops multiply: `for epoch in range(2): for i in range(50)` is 100 forwards
-        times, body = _range_count(mod, stmt.iter), _eager_calls(mod, stmt.body, targets)
-        if times is None or body is None:
-            return None
-        return times * body[0], stmt.iter
-    if isinstance(stmt, ast.With):
-        return _eager_calls(mod, stmt.body, targets)
-    if isinstance(stmt, ast.Expr | ast.Assign | ast.AugAssign | ast.AnnAssign):
-        calls = list(_calls(stmt))
-        if any(isinstance(c.func, ast.Name) and c.func.id in mod.functions for c in calls):
-            return None  # a local helper may run the model any number of times
-        return sum(_text(c.func) in targets for c in calls), stmt
+def _loop_calling(mod: _Module, stmt: ast.stmt, targets: set[str]) -> ast.For | None:
+    loops = [n for n in _walk_local(stmt) if isinstance(n, ast.For)]
+    for loop in sorted(loops, key=lambda n: n.lineno, reverse=True):
+        if mod.enclosing_capture(loop) is None and _reaches_ddp(mod, loop, targets):
+            return loop
     return None
 
 
