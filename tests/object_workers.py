@@ -283,8 +283,9 @@ def bad_argument_on(bad: int, op: str, argument: str) -> Any:
     kwargs: dict[str, Any] = {"timeout": 20}
     if _rank() == bad:
         kwargs.update({"codec": {"codec": "json"}, "max_bytes": {"max_bytes": 0}}.get(argument, {}))
-        if argument == "root":
-            kwargs["dst" if op == "gather_object" else "src"] = 5
+        root = {"root": 5, "float_root": 1.0, "str_root": "0"}.get(argument)
+        if root is not None:
+            kwargs["dst" if op == "gather_object" else "src"] = root
     return getattr(dg, op)({"rank": _rank()}, **kwargs)
 
 
@@ -305,8 +306,7 @@ def timeout_after_reinit(late_by: float, timeout: float) -> list:
             if isinstance(outcomes[-1], Exception):
                 break
         rounds.append(outcomes)
-        # round 2 ended by a timeout: do not wait for a peer that may still be on its way
-        dg.shutdown(wait_for_peers=round_ == 1)
+        dg.shutdown()
     return rounds
 
 

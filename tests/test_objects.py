@@ -256,6 +256,8 @@ def test_nccl_path_uses_the_bound_device_even_from_a_thread():
         ("gather_object", "root", "rank 1: dst=5 is not a (global) rank of this group of 2"),
         ("broadcast_object", "root", "rank 1: src=5 is not a (global) rank of this group of 2"),
         ("broadcast_object", "codec", "rank 1: codec='json' is not one of"),
+        ("broadcast_object", "float_root", "rank 1: src=1.0 is a float, not a rank (an int)"),
+        ("gather_object", "str_root", "rank 1: dst='0' is a str, not a rank (an int)"),
     ],
 )
 def test_a_bad_argument_on_one_rank_raises_on_every_rank(op, argument, fragment):
@@ -299,6 +301,6 @@ def test_a_peer_that_dies_mid_call_gives_an_explained_error_naming_the_call():
     assert isinstance(error, ObjectCollectiveError), error
     message = str(error)
     assert "all_gather_object at object_workers.py:" in message
-    assert "failed inside torch's collective on rank 0" in message
+    assert "failed inside torch's collective on group rank 0" in message
     assert "ddpgraph explains: a peer rank is gone" in message
     assert "Connection" in message  # torch's own text is kept (pickling drops __cause__)

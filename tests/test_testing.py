@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import time
 
 import pytest
@@ -56,3 +57,7 @@ def test_bad_arguments():
 
     with pytest.raises(ValueError, match=r"fn=.*<locals>.nested cannot be imported"):
         run_distributed(nested, 2)
+
+
+def test_a_partial_of_a_module_level_function_is_accepted():
+    assert run_distributed(functools.partial(workers.fail_on_rank, 5), 2, timeout=60) == [0, 1]

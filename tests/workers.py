@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -77,44 +76,28 @@ def exit_abruptly() -> None:
     os._exit(3)
 
 
-def shutdown_after_rank_delay(delay: float) -> float:
-    """Rank 1 dawdles before shutdown; returns how long this rank's shutdown took."""
-    ddpgraph.init(backend="gloo")
-    if dist.get_rank() == 1:
-        time.sleep(delay)
-    started = time.perf_counter()
+def skip_a_collective_then_shut_down() -> dict:
+    """Rank 1 skips the all_reduce that rank 0 enters, then shuts down (a user bug)."""
+    ddpgraph.init(backend="gloo", timeout=60)
+    started, error = time.perf_counter(), None
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as exc:
+            error = str(exc)
     ddpgraph.shutdown()
-    assert not dist.is_initialized()
-    return time.perf_counter() - started
+    return {"seconds": time.perf_counter() - started, "error": error}
 
 
-def shutdown_while_peer_fails() -> dict:
-    """Rank 1 leaves ``with init()`` by an exception; rank 0 shuts down normally."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger("ddpgraph").addHandler(handler)
-    started = time.perf_counter()
-    try:
-        with ddpgraph.init(backend="gloo", timeout=30) as rt:
-            if rt.rank == 1:
-                raise RuntimeError("rank 1 failed")
-    except RuntimeError:
-        pass
-    return {
-        "seconds": time.perf_counter() - started,
-        "initialized": dist.is_initialized(),
-        "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING],
-    }
-
-
-def adopt_with_fake_uuids(uuids: list[str]) -> str:
+def adopt_with_fake_uuids(uuids: list[str], pretend_nccl: bool) -> str:
     """The application makes the group itself, then calls ddpgraph.init (CI has no GPU)."""
     from ddpgraph import runtime
 
     rank = int(os.environ["RANK"])
     runtime.device_identity = lambda device: uuids[rank]  # type: ignore[assignment]
     dist.init_process_group("gloo")
+    if pretend_nccl:  # this worker process only: the device check is for NCCL groups
+        dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
     try:
         return str(ddpgraph.init().device)
     finally:

@@ -25,6 +25,7 @@ the argument first and call once).
 
 from __future__ import annotations
 
+import numbers
 import os
 import struct
 import sys
@@ -196,7 +197,7 @@ class _Call:
             problems.append(f"max_bytes={max_bytes!r} is not a positive int")
             max_bytes = DEFAULT_MAX_BYTES
         group_root = -1
-        if root is not None:
+        if name != "all_gather_object":  # src / dst: None is as wrong as any other non-rank
             group_root, root_problem = _group_rank(name, pg, root)
             problems += [root_problem] if root_problem else []
         # a bad timeout stays local: without one this rank would skip the arrival check
@@ -256,9 +257,12 @@ def _resolve_group(
     return pg, rank, dist.get_world_size(pg)
 
 
-def _group_rank(name: str, pg: dist.ProcessGroup | None, root: int) -> tuple[int, str | None]:
+def _group_rank(name: str, pg: dist.ProcessGroup | None, root: object) -> tuple[int, str | None]:
     """``root``'s rank in the group, or 0 and what is wrong with it."""
     what = "dst" if name.startswith("gather") else "src"
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+        return 0, f"{what}={root!r} is a {type(root).__name__}, not a rank (an int)"
+    root = int(root)
     if pg is None:
         if root != 0:
             return 0, f"{what}={root!r}, but without a process group only 0 exists"
@@ -351,11 +355,11 @@ def _explained(call: _Call, seq: int) -> Iterator[None]:
     try:
         yield
     except (RuntimeError, TimeoutError) as exc:
-        if isinstance(exc, ObjectCollectiveError):
-            raise
+        if isinstance(exc, ObjectCollectiveError | torch.OutOfMemoryError):
+            raise  # ours already, or not the collective's doing
         raise ObjectCollectiveError(
             f"{call.name} at {call.site[1]} (call #{seq} on this group) failed inside torch's "
-            f"collective on rank {call.rank}: {with_explanation(exc)}"
+            f"collective on group rank {call.rank}: {with_explanation(exc)}"
         ) from exc
 
 

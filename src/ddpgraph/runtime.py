@@ -8,6 +8,7 @@ host share a GPU before NCCL is touched. Everything else in ddpgraph relies on t
 from __future__ import annotations
 
 import gc
+import numbers
 import os
 import socket
 import warnings
@@ -20,7 +21,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from ._log import configure_logging, get_logger
+from ._log import configure_logging
 from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
 
 __all__ = ["Runtime", "check_unique_devices", "get_runtime", "init", "shutdown"]
@@ -66,8 +67,7 @@ class Runtime:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        # after an exception a peer may be gone or stuck: do not wait for it
-        shutdown(wait_for_peers=exc_type is None)
+        shutdown()
 
 
 @dataclass
@@ -118,33 +118,21 @@ def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIM
     return _state.runtime
 
 
-def shutdown(*, wait_for_peers: bool = True) -> None:
-    """Wait for every rank, then destroy the process group that :func:`init` made.
+def shutdown() -> None:
+    """Destroy the process group that :func:`init` made (call on every rank); harmless if none.
 
-    Call it on every rank at the end of the job; harmless if there is no group. The barrier lets
-    every rank finish its collectives before any peer closes its connections or starts to exit.
     Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
     the caller no longer holds is freed with its process group now, not during interpreter
     finalization, where torch's gloo threads can abort a job that succeeded ("terminate called
     without an active exception"). So let training objects go out of scope (return from the
-    function that built them) before calling shutdown. Pass ``wait_for_peers=False`` on a
-    failure path, where a peer may be gone or stuck; leaving a ``with ddpgraph.init()`` block by
-    an exception does that.
+    function that built them) before calling shutdown.
     """
     global _state
     state, _state = _state, None
     if state is None or not state.owns_group or not dist.is_initialized():
         return
-    if wait_for_peers and state.runtime.world_size > 1:
-        try:
-            dist.barrier()
-        except Exception as exc:  # the group goes anyway; say why the peers did not meet
-            get_logger().warning(
-                "ddpgraph.shutdown: the closing barrier failed (%s: %s); a peer rank has probably "
-                "failed or exited early. Destroying the process group anyway.",
-                type(exc).__name__,
-                exc,
-            )
+    # No barrier first: a rank that skipped a collective would have it pair with the peer's
+    # pending one and hang both; destroying the group makes that peer fail at once instead.
     dist.destroy_process_group()
     # DDP sits in a reference cycle and holds the process group: collected only by the cyclic
     # GC, often during interpreter finalization, where gloo's threads can abort the process.
@@ -162,7 +150,7 @@ def read_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv:
                 f"LOCAL_RANK={env['LOCAL_RANK']} is set but RANK and WORLD_SIZE are not, so "
                 "ddpgraph runs a single process on device 0 and ignores it; launch with torchrun "
                 "to run several ranks, or unset LOCAL_RANK.",
-                stacklevel=3,
+                stacklevel=4,  # the caller of ddpgraph.init()
             )
         return LaunchEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, launched=False)
     for name in ("RANK", "WORLD_SIZE"):
@@ -214,12 +202,12 @@ def as_timedelta(timeout: float | timedelta, *, caller: str) -> timedelta:
     """``timeout`` (seconds or a timedelta) as a positive timedelta, or :class:`ConfigError`."""
     if isinstance(timeout, timedelta):
         value = timeout
-    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):  # numpy too
         if not 0 < timeout < _MAX_TIMEOUT_S:  # also NaN and inf, which timedelta cannot hold
             raise ConfigError(
                 f"{caller}: timeout={timeout!r} must be a positive, finite number of seconds."
             )
-        value = timedelta(seconds=timeout)
+        value = timedelta(seconds=float(timeout))
     else:
         raise ConfigError(
             f"{caller}: timeout={timeout!r} is a {type(timeout).__name__}; pass seconds as a "
@@ -342,25 +330,28 @@ def _adopt_group(timeout: timedelta) -> Runtime:
             f"and WORLD_SIZE={launch.world_size}; create the group from the same environment."
         )
     device = _adopted_device()
-    # The application bound (or forgot to bind) the device itself: check it like init() does,
-    # so that two ranks on one GPU fail here, naming the ranks, instead of hanging in NCCL.
-    global _init_count
-    _init_count += 1
-    check_unique_devices(
-        dist.distributed_c10d._get_default_store(),
-        rank,
-        world_size,
-        device,
-        key=f"ddpgraph/{_restart_tag()}/adopt{_init_count}",
-        timeout=timeout,
-    )
+    backend = str(dist.get_backend())
+    if "nccl" in backend.lower():
+        # The application bound (or forgot to bind) the device itself: check it like init()
+        # does, so that two ranks on one GPU fail here, naming them, instead of hanging in NCCL.
+        # (gloo ranks may share a GPU for compute: their collectives never touch it.)
+        global _init_count
+        _init_count += 1
+        check_unique_devices(
+            dist.distributed_c10d._get_default_store(),
+            rank,
+            world_size,
+            device,
+            key=f"ddpgraph/{_restart_tag()}/adopt{_init_count}",
+            timeout=timeout,
+        )
     return Runtime(
         rank,
         launch.local_rank,
         world_size,
         launch.local_world_size,
         device,
-        str(dist.get_backend()),
+        backend,
         timeout,
     )
 

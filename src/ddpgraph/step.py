@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import time
 import traceback
 import warnings
@@ -95,7 +96,7 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy too
 
 
 def _check_compile(value: object) -> None:

@@ -86,11 +86,11 @@ def run_distributed(
     not all done within ``timeout`` seconds, all are killed and :class:`WorkerTimeout` names the
     ranks still running.
     """
-    qualname = getattr(fn, "__qualname__", "")
-    if "<" in qualname or not qualname:
+    qualname = getattr(fn, "__qualname__", "")  # a partial or a callable instance has none
+    if "<lambda>" in qualname or "<locals>" in qualname:
         # the workers import fn by module and name: a lambda or nested function has no such name
         raise ValueError(
-            f"run_distributed: fn={qualname or repr(fn)} cannot be imported by the workers; pass a "
+            f"run_distributed: fn={qualname} cannot be imported by the workers; pass a "
             "function defined at the top level of a module (not a lambda or a nested function)."
         )
     if world_size < 1:
@@ -171,15 +171,12 @@ def _worker(
     os.environ.update(base_env)  # a caller's env may override RANK / LOCAL_RANK on purpose
     try:
         if init:
-            from . import runtime
+            import ddpgraph
 
-            runtime.init(backend=backend)
-            # report inside the group: a failed rank's shutdown makes blocked peers fail, and
-            # their errors must not look like the first one
-            outcome = _run(fn, args, rank)
-            results.put(outcome)
-            # a failed rank must not wait for peers (its barrier would meet their collective)
-            runtime.shutdown(wait_for_peers=outcome.ok)
+            with ddpgraph.init(backend=backend):
+                # report inside the group: its shutdown makes blocked peers fail, and their
+                # errors must not look like the first one
+                results.put(_run(fn, args, rank))
         else:
             results.put(_run(fn, args, rank))
     except BaseException as exc:  # init itself failed

@@ -286,7 +286,7 @@ def selftest_worker(timeout_s: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]
         outcomes.append(_failure(_INIT_CHECK, exc, CHECKS[0].fix))
         outcomes += [CheckOutcome(c.name, "skip", "not run: init failed") for c in CHECKS]
         return [asdict(o) for o in outcomes]
-    with rt:  # an exception skips the closing barrier: a peer may be stuck
+    with rt:  # shuts down on the way out, also after an exception
         outcomes.append(
             CheckOutcome(_INIT_CHECK, "ok", f"{rt.world_size} rank(s), backend {rt.backend}")
         )

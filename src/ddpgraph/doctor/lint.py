@@ -536,7 +536,8 @@ def _rule_object_list_size(mod: _Module, emit: _Emit) -> None:
             continue
         if output is None:
             continue
-        for problem in _fixed_sizes(mod, output, call):
+        subgroup = _kwarg(call, "group") is not None  # its size may well be world size - k
+        for problem in _fixed_sizes(mod, output, call, offsets=not subgroup):
             emit(
                 call,
                 "DG102",
@@ -548,13 +549,16 @@ def _rule_object_list_size(mod: _Module, emit: _Emit) -> None:
             break
 
 
-def _fixed_sizes(mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0) -> Iterator[str]:
-    """Describe each way ``expr`` is provably a list whose size ignores the world size."""
+def _fixed_sizes(
+    mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0, *, offsets: bool = True
+) -> Iterator[str]:
+    """Describe each way ``expr`` is provably a list whose size ignores the world size
+    (``offsets``: also world size +/- k, wrong unless the call is on a subgroup)."""
     if depth > 3:
         return
     if isinstance(expr, ast.IfExp):
-        yield from _fixed_sizes(mod, expr.body, call, depth + 1)
-        yield from _fixed_sizes(mod, expr.orelse, call, depth + 1)
+        yield from _fixed_sizes(mod, expr.body, call, depth + 1, offsets=offsets)
+        yield from _fixed_sizes(mod, expr.orelse, call, depth + 1, offsets=offsets)
     elif isinstance(expr, ast.List) and not any(isinstance(e, ast.Starred) for e in expr.elts):
         yield f"{_text(expr)} of {len(expr.elts)} entries" if expr.elts else "[] (empty)"
     elif isinstance(expr, ast.Call) and _dotted(expr.func) == "list" and not expr.args:
@@ -565,7 +569,7 @@ def _fixed_sizes(mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0) -
                 continue
             if _int_value(mod, size) is not None and not _mentions_world_size(size):
                 yield f"{_text(expr)} of {_int_value(mod, size)} entries"
-            elif (offset := _world_size_offset(mod, size)) is not None:
+            elif offsets and (offset := _world_size_offset(mod, size)) is not None:
                 yield f"{_text(expr)} of world size {offset:+d} entries"
     elif isinstance(expr, ast.ListComp) and len(expr.generators) == 1:
         count = _range_count(mod, expr.generators[0].iter)
@@ -574,7 +578,7 @@ def _fixed_sizes(mod: _Module, expr: ast.expr, call: ast.Call, depth: int = 0) -
     elif isinstance(expr, ast.Name):
         value = _last_assignment(mod, expr.id, call)
         if value is not None:
-            yield from _fixed_sizes(mod, value, call, depth + 1)
+            yield from _fixed_sizes(mod, value, call, depth + 1, offsets=offsets)
 
 
 def _world_size_offset(mod: _Module, expr: ast.expr) -> int | None:
