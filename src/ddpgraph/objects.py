@@ -50,7 +50,7 @@ from .errors import (
     ObjectCollectiveError,
     with_explanation,
 )
-from .runtime import as_timedelta, check_unique_devices, get_runtime
+from .runtime import as_timedelta, check_unique_devices, get_runtime, group_device
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -339,7 +339,7 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
     device = _device_for(call, state)
     state.seq += 1
     if call.timeout is not None:
-        _await_arrivals(call, state.seq)
+        _await_arrivals(call, state)
     header = _header(call, state.seq, status, size)
     with _explained(call, state.seq):
         slots = _first_round(call, device, state, header, parts, size)
@@ -461,10 +461,7 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device:
     runtime = get_runtime()
     if runtime is not None and runtime.device.type == "cuda":
         return runtime.device
-    bound = getattr(group, "bound_device_id", None)
-    if bound is not None and bound.type == "cuda":
-        return torch.device(bound)
-    return torch.device("cuda", torch.cuda.current_device())
+    return group_device(group)
 
 
 def _group_state(group: dist.ProcessGroup) -> _GroupState:
@@ -477,8 +474,9 @@ def _group_state(group: dist.ProcessGroup) -> _GroupState:
     return state
 
 
-def _await_arrivals(call: _Call, seq: int) -> None:
-    """Wait until every rank has entered call number ``seq``, or raise naming the missing ones.
+def _await_arrivals(call: _Call, state: _GroupState) -> None:
+    """Wait until every rank has entered call number ``state.seq``, or raise naming the missing
+    ones.
 
     Only after all have arrived does any rank start the collective, so a timeout never leaves a
     peer blocked inside it. The verdict ("go" or "timeout") is one store key set once with
@@ -486,8 +484,7 @@ def _await_arrivals(call: _Call, seq: int) -> None:
     """
     assert call.timeout is not None
     store = dist.distributed_c10d._get_default_store()
-    assert call.group is not None
-    prefix = _group_state(call.group).store_prefix
+    prefix, seq = state.store_prefix, state.seq
     key = f"{prefix}/{seq}"
     store.append(f"{key}/who", f"{call.rank},")  # type: ignore[attr-defined]  # missing from stubs
     last = store.add(f"{key}/n", 1) == call.world_size

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ._log import configure_logging
 from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
 
-__all__ = ["Runtime", "check_unique_devices", "get_runtime", "init", "shutdown"]
+__all__ = ["Runtime", "check_unique_devices", "get_runtime", "group_device", "init", "shutdown"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("nccl", "gloo")
@@ -258,7 +258,6 @@ def device_identity(device: torch.device) -> str | None:
 
 
 def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
-    global _init_count
     launch = read_launch_env()
     name = resolve_backend(backend)
     device = bind_device(launch.local_rank)
@@ -270,8 +269,7 @@ def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
         store = _rendezvous(launch, timeout)
     else:
         store = dist.HashStore()
-    _init_count += 1
-    generation = f"ddpgraph/{_restart_tag()}/init{_init_count}"
+    generation = _next_store_key("init")
     check_unique_devices(
         store, launch.rank, launch.world_size, device, key=generation, timeout=timeout
     )
@@ -335,14 +333,12 @@ def _adopt_group(timeout: timedelta) -> Runtime:
         # The application bound (or forgot to bind) the device itself: check it like init()
         # does, so that two ranks on one GPU fail here, naming them, instead of hanging in NCCL.
         # (gloo ranks may share a GPU for compute: their collectives never touch it.)
-        global _init_count
-        _init_count += 1
         check_unique_devices(
             dist.distributed_c10d._get_default_store(),
             rank,
             world_size,
             device,
-            key=f"ddpgraph/{_restart_tag()}/adopt{_init_count}",
+            key=_next_store_key("adopt"),
             timeout=timeout,
         )
     return Runtime(
@@ -357,13 +353,26 @@ def _adopt_group(timeout: timedelta) -> Runtime:
 
 
 def _adopted_device() -> torch.device:
-    """The device an existing group is bound to (device_id=), else the current CUDA device."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    assert dist.group.WORLD is not None
+    return group_device(dist.group.WORLD)
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The CUDA device ``group`` is bound to (``device_id=``), else the current CUDA device."""
+    bound = getattr(group, "bound_device_id", None)
     if bound is not None and bound.type == "cuda":
         return torch.device(bound)
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def _next_store_key(kind: str) -> str:
+    """A store key no earlier init or adoption of this process used (torchrun's store outlives
+    process groups)."""
+    global _init_count
+    _init_count += 1
+    return f"ddpgraph/{_restart_tag()}/{kind}{_init_count}"
 
 
 def _restart_tag() -> str:

@@ -586,11 +586,11 @@ def _world_size_offset(mod: _Module, expr: ast.expr) -> int | None:
     if not (isinstance(expr, ast.BinOp) and isinstance(expr.op, ast.Add | ast.Sub)):
         return None
     sign = 1 if isinstance(expr.op, ast.Add) else -1
-    for world, k in ((expr.left, expr.right), (expr.right, expr.left)):
-        value = _int_value(mod, k)
-        if value and _mentions_world_size(world) and not _mentions_world_size(k):
-            # "1 - world" is not a size anyone means; report the common forms only
-            return sign * value if world is expr.left else (value if sign == 1 else None)
+    left_k, right_k = _int_value(mod, expr.left), _int_value(mod, expr.right)
+    if right_k and _mentions_world_size(expr.left) and not _mentions_world_size(expr.right):
+        return sign * right_k  # world + k, world - k
+    if left_k and sign == 1 and _mentions_world_size(expr.right):
+        return left_k  # k + world ("k - world" is no size anyone means)
     return None
 
 
