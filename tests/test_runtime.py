@@ -179,6 +179,22 @@ def test_device_conflict_raises_on_every_rank_naming_ranks_and_device():
         assert "1" not in message.split("GPU-aaaa")[0].replace("ranks 0, 2", "")
 
 
+def test_device_conflict_reaches_ranks_slower_than_the_store_host():
+    # rank 0 hosts the store; had it raised and exited at once, the others' late read of the
+    # device list would fail with "Connection closed" (seen once in CI) instead of this error
+    results = run_distributed(
+        workers.init_with_fake_uuids_slow_readers,
+        3,
+        args=(["GPU-aaaa", "GPU-aaaa", "GPU-bbbb"],),
+        init=False,
+        timeout=60,
+        return_exceptions=True,
+    )
+    for exc in results:
+        assert isinstance(exc, DeviceConflictError), exc
+        assert "ranks 0, 1" in str(exc)
+
+
 def test_distinct_devices_pass_the_conflict_check():
     results = run_distributed(
         workers.init_with_fake_uuids, 2, args=(["GPU-a", "GPU-b"],), init=False, timeout=60

@@ -37,6 +37,33 @@ def init_with_fake_uuids(uuids: list[str]) -> None:
     ddpgraph.init(backend="gloo")
 
 
+class _SlowReadStore:
+    """A store whose reads of the device list lag on ranks > 0, as on a loaded machine."""
+
+    def __init__(self, store: dist.Store, rank: int) -> None:
+        self._store, self._rank = store, rank
+
+    def get(self, key: str) -> bytes:
+        if self._rank > 0 and key.endswith("/devices"):
+            time.sleep(1.5)
+        return self._store.get(key)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+def init_with_fake_uuids_slow_readers(uuids: list[str]) -> None:
+    """init_with_fake_uuids where rank 0, which hosts the store, reads the device list first."""
+    from ddpgraph import runtime
+
+    rank = int(os.environ["RANK"])
+    rendezvous = runtime._rendezvous
+    runtime._rendezvous = lambda launch, timeout: _SlowReadStore(  # type: ignore[assignment]
+        rendezvous(launch, timeout), rank
+    )
+    init_with_fake_uuids(uuids)
+
+
 def init_only() -> str:
     rt = ddpgraph.init(backend="gloo")
     return str(rt)

@@ -7,6 +7,7 @@ host share a GPU before NCCL is touched. Everything else in ddpgraph relies on t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import numbers
 import os
@@ -28,6 +29,9 @@ __all__ = ["Runtime", "check_unique_devices", "get_runtime", "group_device", "in
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("nccl", "gloo")
+# How long ranks that found a shared GPU wait for every peer to have read the device list before
+# raising: long enough for a loaded machine, short enough not to matter when a peer died.
+_ALL_READ_TIMEOUT = timedelta(seconds=30)
 _MAX_TIMEOUT_S = 10**9  # about 31 years: beyond it a timeout is a typo, and timedelta overflows
 
 
@@ -411,7 +415,19 @@ def check_unique_devices(
             f"ranks {missing} did not reach ddpgraph.init within {timeout.total_seconds():g}s "
             f"(ranks {sorted(seen)} did); start every rank, or raise timeout=."
         ) from exc
-    raise_on_device_conflicts(_parse_devices(store.get(f"{key}/devices")))
+    entries = _parse_devices(store.get(f"{key}/devices"))
+    if _shared_gpus(entries):
+        # Rank 0 may host the store (a plain env:// job): were it to raise and exit at once, a
+        # slower peer's read above would fail with "Connection closed" instead of this error.
+        _wait_until_all_read(store, key, world_size)
+    raise_on_device_conflicts(entries)
+
+
+def _wait_until_all_read(store: dist.Store, key: str, world_size: int) -> None:
+    if store.add(f"{key}/read", 1) == world_size:
+        store.set(f"{key}/all-read", "1")
+    with contextlib.suppress(Exception):  # a peer gone since: raise our own error regardless
+        store.wait([f"{key}/all-read"], _ALL_READ_TIMEOUT)
 
 
 def _parse_devices(raw: bytes) -> dict[int, tuple[str, str, str]]:
@@ -422,13 +438,21 @@ def _parse_devices(raw: bytes) -> dict[int, tuple[str, str, str]]:
     return entries
 
 
-def raise_on_device_conflicts(entries: Mapping[int, tuple[str, str, str]]) -> None:
-    """``entries``: rank -> (hostname, device identity or "-", device). Raise if any GPU is shared."""
+def _shared_gpus(
+    entries: Mapping[int, tuple[str, str, str]],
+) -> list[tuple[tuple[str, str], list[int]]]:
+    """``entries``: rank -> (hostname, device identity or "-", device). The ``((host, identity),
+    ranks)`` of every GPU that two or more ranks share."""
     users: dict[tuple[str, str], list[int]] = defaultdict(list)
     for rank, (host, identity, _) in sorted(entries.items()):
         if identity != "-":
             users[(host, identity)].append(rank)
-    clashes = [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
+    return [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
+
+
+def raise_on_device_conflicts(entries: Mapping[int, tuple[str, str, str]]) -> None:
+    """``entries``: rank -> (hostname, device identity or "-", device). Raise if any GPU is shared."""
+    clashes = _shared_gpus(entries)
     if not clashes:
         return
     parts = []
