@@ -29,7 +29,7 @@ __all__ = ["Runtime", "check_unique_devices", "get_runtime", "group_device", "in
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("nccl", "gloo")
-# How long ranks that found a shared GPU wait for every peer to have read the device list before
+# How long ranks wait for every peer to have read the device list before going on or
 # raising: long enough for a loaded machine, short enough not to matter when a peer died.
 _ALL_READ_TIMEOUT = timedelta(seconds=30)
 _MAX_TIMEOUT_S = 10**9  # about 31 years: beyond it a timeout is a typo, and timedelta overflows
@@ -416,10 +416,9 @@ def check_unique_devices(
             f"(ranks {sorted(seen)} did); start every rank, or raise timeout=."
         ) from exc
     entries = _parse_devices(store.get(f"{key}/devices"))
-    if _shared_gpus(entries):
-        # Rank 0 may host the store (a plain env:// job): were it to raise and exit at once, a
-        # slower peer's read above would fail with "Connection closed" instead of this error.
-        _wait_until_all_read(store, key, world_size)
+    # Rank 0 may host the store (a plain env:// job): were it to raise or return and exit at
+    # once, a slower peer's read above would fail with "Connection closed" instead.
+    _wait_until_all_read(store, key, world_size)
     raise_on_device_conflicts(entries)
 
 
@@ -438,21 +437,13 @@ def _parse_devices(raw: bytes) -> dict[int, tuple[str, str, str]]:
     return entries
 
 
-def _shared_gpus(
-    entries: Mapping[int, tuple[str, str, str]],
-) -> list[tuple[tuple[str, str], list[int]]]:
-    """``entries``: rank -> (hostname, device identity or "-", device). The ``((host, identity),
-    ranks)`` of every GPU that two or more ranks share."""
+def raise_on_device_conflicts(entries: Mapping[int, tuple[str, str, str]]) -> None:
+    """``entries``: rank -> (hostname, device identity or "-", device). Raise if any GPU is shared."""
     users: dict[tuple[str, str], list[int]] = defaultdict(list)
     for rank, (host, identity, _) in sorted(entries.items()):
         if identity != "-":
             users[(host, identity)].append(rank)
-    return [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
-
-
-def raise_on_device_conflicts(entries: Mapping[int, tuple[str, str, str]]) -> None:
-    """``entries``: rank -> (hostname, device identity or "-", device). Raise if any GPU is shared."""
-    clashes = _shared_gpus(entries)
+    clashes = [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
     if not clashes:
         return
     parts = []
