@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ddpgraph import CaptureError, ConfigError, TrainStep
+from ddpgraph.facts import ddp_count_allows_capture
 from ddpgraph.optim import make_graph_safe
-from ddpgraph.step import ddp_count_allows_capture
 from ddpgraph.testing import run_distributed
 
 from . import step_workers
@@ -180,6 +180,9 @@ def test_ddp_warmup_rule():
     assert [n for n in range(0, 205) if ddp_count_allows_capture(n)][:3] == [11, 12, 13]
     assert not ddp_count_allows_capture(100) and not ddp_count_allows_capture(200)
     assert ddp_count_allows_capture(101)
+    # a forward after 99 records iteration 100's timers, which the next eager forward reads
+    assert not ddp_count_allows_capture(99) and not ddp_count_allows_capture(199)
+    assert not ddp_count_allows_capture(12, sample_rate=13)
 
 
 @pytest.mark.parametrize(("requested", "planned"), [(None, 12), (1, 12), (30, 30), (100, 102)])

@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .facts import WARMUP_RULE
+
 __all__ = [
     "CaptureError",
     "CollectiveTimeout",
@@ -102,10 +104,7 @@ def _known(pattern: str, title: str, cause: str, fix: str) -> _Known:
     return _Known(re.compile(pattern, re.IGNORECASE), title, cause, fix)
 
 
-_WARMUP_FIX = (
-    "run at least 11 eager DDP iterations before capture, and a count that is not a multiple of "
-    "100 (e.g. 11 or 20, not 10 or 100); ddpgraph.TrainStep does this for you"
-)
+_WARMUP_FIX = f"{WARMUP_RULE}; ddpgraph.TrainStep does this for you"
 
 # Ordered root cause first: a traceback often holds both the first CUDA error and the
 # "previous error during capture" that follows it, and the first one is the one to fix.

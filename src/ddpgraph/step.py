@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._log import get_logger
 from .errors import CaptureError, ConfigError, DeviceConflictError, explain
+from .facts import DEFAULT_WARMUP, ddp_count_allows_capture
 from .optim import GraphSafeOptimizer, make_graph_safe
 
 __all__ = ["StepReport", "TrainStep"]
@@ -41,18 +42,6 @@ __all__ = ["StepReport", "TrainStep"]
 GraphMode = Literal["auto", "always", "never"]
 NewShapePolicy = Literal["eager", "capture", "error"]
 Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
-
-# The last DDP forward whose runtime stats are recorded unconditionally, and the sampling period
-# after it (torch/csrc/distributed/c10d/logger.cpp, kDDPRuntimeLoggingSampleRate).
-_DDP_STATS_FIRST_ITERATIONS = 10
-_DDP_STATS_SAMPLE_RATE = 100
-_DEFAULT_WARMUP = 12  # the 12th eager step (count 11) is the first that DDP does not time
-
-
-def ddp_count_allows_capture(sync_forwards_done: int) -> bool:
-    """Whether a DDP forward after ``sync_forwards_done`` earlier ones is free of timer events."""
-    n = sync_forwards_done
-    return n > _DDP_STATS_FIRST_ITERATIONS and n % _DDP_STATS_SAMPLE_RATE != 0
 
 
 @dataclass(frozen=True)
@@ -333,7 +322,7 @@ class TrainStep:
             return DistributedDataParallel(model, **kwargs)
 
     def _planned_warmup(self) -> int:
-        steps = self.options.warmup or _DEFAULT_WARMUP
+        steps = self.options.warmup or DEFAULT_WARMUP
         # one more step whose syncs are checked, then capture at a count DDP does not time
         while not (ddp_count_allows_capture(steps) and ddp_count_allows_capture(steps - 1)):
             steps += 1
