@@ -85,6 +85,12 @@ def train(
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run (eager and TrainStep).")
 @click.option(
+    "--varlen",
+    is_flag=True,
+    help="The variable-length LM instead (lengths 32..256: eager, eager padded, reduce-overhead, "
+    "TrainStep + pad_batch buckets); JSON only.",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("benchmarks/results/bench.json"),
@@ -97,9 +103,15 @@ def bench(
     steps: int,
     repeats: int,
     quick: bool,
+    varlen: bool,
     out: Path,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    if varlen:
+        from .bench_varlen import run_varlen
+
+        run_varlen(repeats=repeats, quick=quick, out=out)
+        return
     from .bench import CONFIGS, MODES, run_bench
 
     chosen = (
