@@ -150,23 +150,23 @@ def _explicit_values(
                 "a misspelt key would silently pad with 0, so fix or remove it."
             )
         given = dict(values)
+    elif not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise ConfigError(
+            f"values={values!r} must be None, a mapping of pad values by key/position, or (for a "
+            "tuple/list batch) a sequence with one pad value per position."
+        )
     elif is_mapping:
         raise ConfigError(
             f"values={values!r} is a sequence, but the batch is a mapping; pass pad values by "
             "key, e.g. values={'labels': -100, 'attention_mask': 0}."
         )
-    elif isinstance(values, Sequence) and not isinstance(values, (str, bytes)):
-        if len(values) != len(entries):
-            raise ConfigError(
-                f"values has {len(values)} pad values for a batch of {len(entries)} entries; "
-                "give one per position (None leaves an entry unpadded), or a dict by position."
-            )
-        given = dict(enumerate(values))
-    else:
+    elif len(values) != len(entries):
         raise ConfigError(
-            f"values={values!r} must be None, a mapping of pad values by key/position, or (for a "
-            "tuple/list batch) a sequence with one pad value per position."
+            f"values has {len(values)} pad values for a batch of {len(entries)} entries; "
+            "give one per position (None leaves an entry unpadded), or a dict by position."
         )
+    else:
+        given = dict(enumerate(values))
     for key, value in given.items():
         if value is not None and not isinstance(value, numbers.Real):
             raise ConfigError(
