@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import types
 from collections import OrderedDict, UserDict, namedtuple
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -504,3 +508,35 @@ def _leaves(data) -> list:
 
 def test_public_names():
     assert ddpgraph.pad_batch is pad_batch and ddpgraph.prefetch is prefetch
+
+
+# ------------------------------------------------------------------- benchmarks/loader.py
+@pytest.mark.timeout(300)
+def test_loader_benchmark_quick_writes_rates_and_ratios(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "loader.py"
+    out = tmp_path / "loader.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["environment"]["torch"] == torch.__version__ and data["environment"]["commit"]
+    assert data["config"]["quick"] is True and data["device"] == "cpu"
+    assert set(data["models"]) == {"mlp", "resnet", "transformer"}
+    for result in data["models"].values():
+        rates = result["steps_per_s"]
+        assert set(rates) == {
+            "staged",
+            "loader",
+            "prefetch",
+            "batched_prefetch",
+            "batched_workers_prefetch",
+        }
+        assert all(rate > 0 for rate in rates.values())
+        for mode, ratio in result["ratio_to_staged"].items():
+            assert ratio == pytest.approx(rates[mode] / rates["staged"])
+        assert all(len(v) == 2 for v in result["all_repeats_steps_per_s"].values())
+        assert all(rate > 0 for rate in result["loader_alone_batches_per_s"].values())
