@@ -13,11 +13,14 @@ within one process:
   through ``ddpgraph.prefetch`` (which pins);
 * ``batched_workers_prefetch``: the same sampling in ``--fast-workers`` persistent worker
   processes, pinned by the loader's pin thread, through ``ddpgraph.prefetch``: the main process
-  only takes finished batches from a queue.
+  only takes finished batches from a queue;
+* ``index_prefetch``: no DataLoader: a per-epoch shuffled index tensor (sharded by rank as
+  DistributedSampler does) gathers each batch from the in-memory tensors, through
+  ``ddpgraph.prefetch``: what a data set that fits in host memory needs at least.
 
 Each loader alone is timed too (``loader_alone_batches_per_s``: batches per second with no
-step), which shows whether the loader is the bottleneck. The loop body is the demo's: ``loss = step(x, y)``, the
-loss summed on the device, ``scheduler.step()``. Each rate is steps per wall-clock second over
+step), which shows whether the loader is the bottleneck. The loop body is the demo's:
+``loss = step(x, y)``, the loss summed on the device, ``scheduler.step()``. Each rate is steps per wall-clock second over
 ``--steps`` steps between two device syncs (the host runs ahead, as in training); the modes take
 turns, ``--repeats`` times, and the median is reported with the ratios to ``staged``.
 
@@ -55,7 +58,14 @@ WARMUP_STEPS = 20  # eager warm-up, capture and first replays, before anything i
 STAGED_BATCHES = 8  # rotating device batches for the reference
 LOOP_WARMUP = 5  # untimed steps of each mode first: its iterator and pin thread start
 FAST_WORKERS = 2
-MODES = ("staged", "loader", "prefetch", "batched_prefetch", "batched_workers_prefetch")
+MODES = (
+    "staged",
+    "loader",
+    "prefetch",
+    "batched_prefetch",
+    "batched_workers_prefetch",
+    "index_prefetch",
+)
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -107,6 +117,17 @@ def forever(loader: DataLoader) -> Iterator[Batch]:
         if isinstance(sampler, DistributedSampler):
             sampler.set_epoch(epoch)
         yield from loader
+
+
+def index_batches(data: TensorDataset, rt: ddpgraph.Runtime) -> Iterator[Batch]:
+    """Endless shuffled batches gathered by index tensors: two index_select calls per batch."""
+    x, y = data.tensors
+    gen = torch.Generator().manual_seed(0)
+    usable = len(x) // (rt.world_size * BATCH_SIZE) * rt.world_size * BATCH_SIZE
+    while True:
+        order = torch.randperm(len(x), generator=gen)[:usable]
+        for idx in order[rt.rank :: rt.world_size].view(-1, BATCH_SIZE):
+            yield x[idx], y[idx]
 
 
 def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
@@ -174,6 +195,7 @@ def feeds(
         "batched_workers_prefetch": iter(
             ddpgraph.prefetch(forever(batched_loader(data, rt, fast_workers)), rt.device)
         ),
+        "index_prefetch": iter(ddpgraph.prefetch(index_batches(data, rt), rt.device)),
     }
 
 

@@ -534,6 +534,7 @@ def test_loader_benchmark_quick_writes_rates_and_ratios(tmp_path):
             "prefetch",
             "batched_prefetch",
             "batched_workers_prefetch",
+            "index_prefetch",
         }
         assert all(rate > 0 for rate in rates.values())
         for mode, ratio in result["ratio_to_staged"].items():
