@@ -156,6 +156,15 @@ def test_a_batch_encoding_keeps_its_type_and_attributes():
     assert batch["labels"].shape == (3, 13)  # the input is not changed
 
 
+def test_an_hf_batch_encoding_stays_one_through_pad_batch_and_the_copy():
+    transformers = pytest.importorskip("transformers")
+    batch = transformers.BatchEncoding(lm_batch())
+    out = pad_batch(batch, multiple=8)
+    assert type(out) is transformers.BatchEncoding
+    assert (out["labels"][:, 13:] == -100).all() and out.input_ids.shape == (3, 16)
+    assert type(_map_tensors(out, torch.clone)) is transformers.BatchEncoding
+
+
 def test_different_lengths_along_dim_name_the_keys_and_sizes():
     batch = {"input_ids": torch.ones(2, 5), "pixel_values": torch.ones(2, 3, 4, 4)}
     with pytest.raises(

@@ -286,8 +286,8 @@ def prefetch(
     """Iterate ``loader`` with each batch already on ``device``, copied while the previous step ran.
 
     On CUDA, every CPU tensor of a batch (tensors, tuples/lists, mappings, nested; other leaves
-    pass through) is pinned if it is not already (``DataLoader(pin_memory=True)`` pins them in
-    its own thread), then copied with ``non_blocking=True`` on a side stream, ``depth`` batches
+    pass through) is pinned if it is not already (``DataLoader(pin_memory=True)`` has pinned
+    it), then copied with ``non_blocking=True`` on a side stream, ``depth`` batches
     ahead of the one being used. Handing a batch over makes the consumer's current stream wait
     for its copy (no step reads a half-copied batch) and records the batch's tensors on that
     stream, so the caching allocator cannot give their memory to a later copy while the step
