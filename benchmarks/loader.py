@@ -126,7 +126,7 @@ def index_batches(data: TensorDataset, rt: ddpgraph.Runtime) -> Iterator[Batch]:
     usable = len(x) // (rt.world_size * BATCH_SIZE) * rt.world_size * BATCH_SIZE
     while True:
         order = torch.randperm(len(x), generator=gen)[:usable]
-        for idx in order[rt.rank :: rt.world_size].view(-1, BATCH_SIZE):
+        for idx in order[rt.rank :: rt.world_size].reshape(-1, BATCH_SIZE):
             yield x[idx], y[idx]
 
 
@@ -165,6 +165,9 @@ def run_loop(batches: Iterator[Batch], steps: int, step: Any, scheduler: Any, rt
 
 
 def loader_only(batches: Iterator[Batch], steps: int) -> float:
+    """Batches per second from ``batches`` alone, after its first few (workers starting)."""
+    for _, _batch in zip(range(LOOP_WARMUP), batches):
+        pass
     started = time.perf_counter()
     for _, _batch in zip(range(steps), batches):
         pass
