@@ -16,7 +16,10 @@ within one process:
   only takes finished batches from a queue;
 * ``index_prefetch``: no DataLoader: a per-epoch shuffled index tensor (sharded by rank as
   DistributedSampler does) gathers each batch from the in-memory tensors, through
-  ``ddpgraph.prefetch``: what a data set that fits in host memory needs at least.
+  ``ddpgraph.prefetch``: what a data set that fits in host memory needs at least;
+* ``device_index``: the data set copied to the device once, batches gathered there by a shuffled
+  device index tensor (no loader, no copy per step): for a data set that fits in device memory,
+  as the demo's synthetic one does.
 
 Each loader alone is timed too (``loader_alone_batches_per_s``: batches per second with no
 step), which shows whether the loader is the bottleneck. The loop body is the demo's:
@@ -65,6 +68,7 @@ MODES = (
     "batched_prefetch",
     "batched_workers_prefetch",
     "index_prefetch",
+    "device_index",
 )
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -128,6 +132,17 @@ def index_batches(data: TensorDataset, rt: ddpgraph.Runtime) -> Iterator[Batch]:
         order = torch.randperm(len(x), generator=gen)[:usable]
         for idx in order[rt.rank :: rt.world_size].reshape(-1, BATCH_SIZE):
             yield x[idx], y[idx]
+
+
+def device_index_batches(data: TensorDataset, rt: ddpgraph.Runtime) -> Iterator[Batch]:
+    """Endless shuffled batches gathered on the device: two index_select launches per batch."""
+    x, y = (t.to(rt.device) for t in data.tensors)
+    gen = torch.Generator(device=rt.device).manual_seed(0)
+    usable = len(x) // (rt.world_size * BATCH_SIZE) * rt.world_size * BATCH_SIZE
+    while True:
+        order = torch.randperm(len(x), generator=gen, device=rt.device)[:usable]
+        for idx in order[rt.rank :: rt.world_size].reshape(-1, BATCH_SIZE).unbind(0):
+            yield x.index_select(0, idx), y.index_select(0, idx)
 
 
 def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
@@ -199,6 +214,7 @@ def feeds(
             ddpgraph.prefetch(forever(batched_loader(data, rt, fast_workers)), rt.device)
         ),
         "index_prefetch": iter(ddpgraph.prefetch(index_batches(data, rt), rt.device)),
+        "device_index": device_index_batches(data, rt),
     }
 
 
