@@ -25,6 +25,8 @@ PUBLIC = {
     "gather_object",
     "get_runtime",
     "init",
+    "pad_batch",
+    "prefetch",
     "shutdown",
 }
 

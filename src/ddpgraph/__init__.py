@@ -5,6 +5,7 @@ Public names are exactly those in ``__all__`` (pinned by a test); everything els
 
 from __future__ import annotations
 
+from .data import pad_batch, prefetch
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -39,5 +40,7 @@ __all__ = [
     "gather_object",
     "get_runtime",
     "init",
+    "pad_batch",
+    "prefetch",
     "shutdown",
 ]
