@@ -241,6 +241,7 @@ def measure_model(
         "loader": loader_only(forever(demo_loader(data, rt, args.num_workers)), steps),
         "batched": loader_only(forever(batched_loader(data, rt, 0)), steps),
         "batched_workers": loader_only(forever(batched_loader(data, rt, args.fast_workers)), steps),
+        "index": loader_only(index_batches(data, rt), steps),
     }
     medians = {mode: statistics.median(values) for mode, values in rates.items()}
     report = step.report()

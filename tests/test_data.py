@@ -550,4 +550,6 @@ def test_loader_benchmark_quick_writes_rates_and_ratios(tmp_path):
         for mode, ratio in result["ratio_to_staged"].items():
             assert ratio == pytest.approx(rates[mode] / rates["staged"])
         assert all(len(v) == 2 for v in result["all_repeats_steps_per_s"].values())
-        assert all(rate > 0 for rate in result["loader_alone_batches_per_s"].values())
+        alone = result["loader_alone_batches_per_s"]
+        assert set(alone) == {"loader", "batched", "batched_workers", "index"}
+        assert all(rate > 0 for rate in alone.values())
