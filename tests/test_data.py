@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -115,6 +117,42 @@ def test_a_batch_already_at_a_multiple_keeps_its_tensors():
 def test_multiple_of_one_pads_nothing():
     batch = lm_batch()
     assert all(pad_batch(batch, multiple=1)[k] is batch[k] for k in batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 4),
+    length=st.integers(0, 40),
+    multiple=st.integers(1, 17),
+    dim=st.integers(1, 2),
+    value=st.integers(-100, 100),
+)
+def test_every_padded_tensor_is_the_input_then_pad_values_up_to_the_next_multiple(
+    rows, length, multiple, dim, value
+):
+    shape = [rows, 3, 3]
+    shape[dim] = length
+    gen = torch.Generator().manual_seed(length)
+    ids = torch.randint(1000, shape, generator=gen)
+    scores = torch.rand(shape, generator=gen)
+    batch = {"ids": ids, "scores": scores, "n": torch.arange(rows)}
+    out = pad_batch(batch, multiple=multiple, dim=dim, values={"ids": value})
+    target = -(-length // multiple) * multiple  # the smallest multiple >= length
+    for key, original, pad in (("ids", ids, value), ("scores", scores, 0.0)):
+        padded = out[key]
+        assert padded.shape[dim] == target and padded.dtype == original.dtype
+        assert [s for d, s in enumerate(padded.shape) if d != dim] == [
+            s for d, s in enumerate(original.shape) if d != dim
+        ]
+        assert torch.equal(padded.narrow(dim, 0, length), original)
+        assert (padded.narrow(dim, length, target - length) == pad).all()
+    assert out["n"].shape == (rows,)
+
+
+def test_nothing_to_pad_along_dim_returns_the_tensors():
+    x, y = torch.ones(4, 7), torch.ones(4)
+    out = pad_batch((x, y), multiple=8, dim=2)  # neither has a dim 2
+    assert out[0] is x and out[1] is y
 
 
 def test_pads_along_another_dim():
