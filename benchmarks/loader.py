@@ -154,7 +154,7 @@ def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
     step = ddpgraph.TrainStep(
         model,
         optimizer,
-        nn.CrossEntropyLoss(),
+        loss_fn=nn.CrossEntropyLoss(),
         scheduler=scheduler,
         channels_last=model_name == "resnet",
     )
