@@ -154,7 +154,7 @@ def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
     step = ddpgraph.TrainStep(
         model,
         optimizer,
-        nn.CrossEntropyLoss(),
+        loss_fn=nn.CrossEntropyLoss(),
         scheduler=scheduler,
         channels_last=model_name == "resnet",
     )
@@ -179,9 +179,9 @@ def run_loop(batches: Iterator[Batch], steps: int, step: Any, scheduler: Any, rt
     return steps / (time.perf_counter() - started)
 
 
-def loader_only(batches: Iterator[Batch], steps: int) -> float:
+def loader_only(batches: Iterator[Batch], steps: int, warmup: int) -> float:
     """Batches per second from ``batches`` alone, after its first few (workers starting)."""
-    for _, _batch in zip(range(LOOP_WARMUP), batches):
+    for _, _batch in zip(range(warmup), batches):
         pass
     started = time.perf_counter()
     for _, _batch in zip(range(steps), batches):
@@ -225,22 +225,23 @@ def measure_model(
     data = demo_dataset(model_name, args.samples)
     step, scheduler = build_step(model_name, rt)
     sources = feeds(data, rt, args.num_workers, args.fast_workers)
-    run_loop(sources["staged"], WARMUP_STEPS, step, scheduler, rt)
+    run_loop(sources["staged"], args.warmup, step, scheduler, rt)
     if rt.device.type == "cuda" and step.mode != "graphed":
         raise RuntimeError(
             f"{model_name}: TrainStep is not graphed after warm-up:\n{step.report()}"
         )
     for mode in MODES:  # start every iterator (pin threads, workers) before timing
-        run_loop(sources[mode], LOOP_WARMUP, step, scheduler, rt)
+        run_loop(sources[mode], args.loop_warmup, step, scheduler, rt)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(repeats):
         # rotate the order: the mode after another one pays for its leftovers
         for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
             rates[mode].append(run_loop(sources[mode], steps, step, scheduler, rt))
     alone = {
-        "loader": loader_only(forever(demo_loader(data, rt, args.num_workers)), steps),
-        "batched": loader_only(forever(batched_loader(data, rt, 0)), steps),
-        "batched_workers": loader_only(forever(batched_loader(data, rt, args.fast_workers)), steps),
+        "loader": forever(demo_loader(data, rt, args.num_workers)),
+        "batched": forever(batched_loader(data, rt, 0)),
+        "batched_workers": forever(batched_loader(data, rt, args.fast_workers)),
+        "index": index_batches(data, rt),
     }
     medians = {mode: statistics.median(values) for mode, values in rates.items()}
     report = step.report()
@@ -250,7 +251,9 @@ def measure_model(
             mode: medians[mode] / medians["staged"] for mode in MODES if mode != "staged"
         },
         "ms_per_step": {mode: 1e3 / rate for mode, rate in medians.items()},
-        "loader_alone_batches_per_s": alone,
+        "loader_alone_batches_per_s": {
+            name: loader_only(batches, steps, args.loop_warmup) for name, batches in alone.items()
+        },
         "all_repeats_steps_per_s": rates,
         "step_mode": report.mode,
         "replays": report.replays,
@@ -302,6 +305,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300, help="timed steps per mode and repeat")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--warmup", type=int, default=WARMUP_STEPS, help="steps before timing (warm-up, capture)"
+    )
+    parser.add_argument(
+        "--loop-warmup", type=int, default=LOOP_WARMUP, help="untimed steps of each feed first"
+    )
+    parser.add_argument(
         "--num-workers", type=int, default=DEMO_NUM_WORKERS, help="the demo loader's workers"
     )
     parser.add_argument(
@@ -314,7 +323,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch touches CUDA: the CPU path
-        args.steps, args.repeats, args.samples, args.fast_workers = 4, 2, 4 * BATCH_SIZE, 1
+        args.steps, args.repeats, args.samples, args.fast_workers = 2, 2, 4 * BATCH_SIZE, 1
+        args.warmup, args.loop_warmup = 1, 1
     return args
 
 

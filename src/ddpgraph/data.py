@@ -294,6 +294,9 @@ def prefetch(
     still reads them. No host synchronisation: the loop runs ahead as it would with
     ``.to(device, non_blocking=True)``, and a graph replay never races a copy.
 
+    The loader must yield new tensors for each batch (a DataLoader does): one that refilled a
+    single pinned buffer in place would overwrite a batch whose copy is still in flight.
+
     On CPU (``device.type == "cpu"``) it yields the loader's batches unchanged, with no thread
     and no copy. ``len()`` is the loader's. Each ``iter()`` is a new pass over the loader.
 

@@ -150,7 +150,7 @@ def losses_of(rt, feed: str, steps: int = 40) -> list[float]:
     torch.manual_seed(0)
     model = build_model("mlp").to(rt.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = TrainStep(model, optimizer, nn.CrossEntropyLoss())
+    step = TrainStep(model, optimizer, loss_fn=nn.CrossEntropyLoss())
     gen = torch.Generator().manual_seed(1)
     data = TensorDataset(
         torch.randn(steps * 32, 64, generator=gen), torch.randint(10, (steps * 32,))
