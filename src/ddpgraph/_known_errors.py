@@ -269,32 +269,59 @@ KNOWN: tuple[Known, ...] = (
         ),
     ),
     _known(
-        "pg-not-initialized",
-        r"Default process group has not been initialized",
-        "torch.distributed used before init_process_group",
+        "model-mismatch",
+        r"DDP expects same model across all ranks",
+        "ranks built different models",
         Cause(
-            "not-launched",
-            "started as one plain process",
-            "the script was run as a single plain process (python train.py) without torchrun "
-            "or the project's distributed launcher flag, so init_process_group never ran while "
-            "a distributed call (barrier, all_reduce, get_rank, SyncBatchNorm) still did",
-            "start it with torchrun --nproc_per_node=N train.py (or the project's launcher "
-            "option such as --launcher pytorch), or guard the calls with "
-            "torch.distributed.is_initialized() for single-process runs",
-            tell="the command line starts with python, not torchrun or a launcher",
-            # "python train.py" typed by the user, not a site-packages path in the traceback
-            evidence=_seen(r"(?<![/.\w])python3?(?![.\d]*/)|one gpu|single gpu|1 gpu"),
+            "rank-dependent-model",
+            "the model is built differently on some ranks",
+            "DDP compares the parameters that require grad on every rank, and they differ: code "
+            "that depends on the rank (adapters, LoRA or a checkpoint applied on rank 0 only, a "
+            "config or branch read differently) built another model on some ranks",
+            "build the same model on every rank before wrapping it in DDP - run the adapter, "
+            "LoRA and checkpoint code on all ranks - and compare sum(p.numel() for p in "
+            "model.parameters() if p.requires_grad) across ranks",
+            tell="the counts differ but are not zero",
         ),
+        Cause(
+            "frozen-on-some-ranks",
+            "nothing trainable on some ranks",
+            "a rank reports 0 parameters: every parameter there has requires_grad=False (e.g. "
+            "the adapter was enabled, or unfrozen, on one rank only)",
+            "set requires_grad (or enable the adapter) the same way on every rank before DDP",
+            tell="a rank has inconsistent 0 params",
+            evidence=_seen(r"inconsistent 0 params"),
+        ),
+    ),
+    _known(
+        "pg-not-initialized",
+        r"Default process group has not been initialized|Default process group is not initialized",
+        "torch.distributed used before init_process_group",
+        # SyncBatchNorm first: most public threads about this error end with "use BN on one GPU"
         Cause(
             "sync-batchnorm",
             "SyncBatchNorm in a single-process run",
             "the model uses SyncBatchNorm (or the config's SyncBN), which needs a process group "
             "even on one GPU",
-            "use BatchNorm (norm_cfg type 'BN', or torch.nn.SyncBatchNorm only when "
-            "world_size > 1), or init a one-process group first: init_process_group('gloo', "
-            "init_method='tcp://127.0.0.1:29500', rank=0, world_size=1)",
-            tell="the traceback goes through SyncBatchNorm / sync_batch_norm",
+            "use BatchNorm for single-GPU runs (norm_cfg type 'BN', NORM 'BN', or "
+            "torch.nn.SyncBatchNorm only when world_size > 1), or init a one-process group "
+            "first: init_process_group('gloo', init_method='tcp://127.0.0.1:29500', rank=0, "
+            "world_size=1)",
+            tell="the model or config uses SyncBatchNorm/SyncBN, and the run has one process",
             evidence=_seen(r"SyncBatchNorm|SyncBN|sync_batch_norm"),
+        ),
+        Cause(
+            "not-launched",
+            "started as one plain process",
+            "the script was run as a single plain process (python train.py) without torchrun "
+            "or the project's distributed launcher flag, so init_process_group never ran while "
+            "a distributed call (barrier, all_reduce, get_rank) still did",
+            "start it with torchrun --nproc_per_node=N train.py (or the project's launcher "
+            "option such as --launcher pytorch), or guard the calls with "
+            "torch.distributed.is_initialized() for single-process runs",
+            tell="no SyncBatchNorm; the traceback ends in a barrier, reduce or get_rank call of "
+            "a script started with python instead of torchrun",
+            evidence=_seen(r"barrier\(|get_rank\(|get_world_size\(|all_reduce\("),
         ),
     ),
     _known(
@@ -507,6 +534,18 @@ KNOWN: tuple[Known, ...] = (
         "nccl-system-error",
         r"unhandled system error|ncclSystemError",
         "a system call inside NCCL failed",
+        # shared memory first: most single-node threads about this error end with --ipc=host
+        Cause(
+            "shared-memory",
+            "shared memory too small or not writable",
+            "NCCL could not create its shared-memory segments in /dev/shm: a container's 64 MB "
+            "default is too small, or /dev/shm is not writable",
+            "start the container with --ipc=host or --shm-size=16g and make /dev/shm writable "
+            "(or set NCCL_SHM_DISABLE=1 at some speed cost)",
+            tell="single-node jobs, often in Docker/Kubernetes; NCCL_DEBUG=INFO shows a WARN "
+            "naming shm_open or /dev/shm",
+            evidence=_seen(r"shm|docker|container|No space left|Bus error"),
+        ),
         Cause(
             "network-setup",
             "sockets or network devices",
@@ -515,18 +554,12 @@ KNOWN: tuple[Known, ...] = (
             "rerun with NCCL_DEBUG=INFO and read the 'NCCL WARN' line; set NCCL_SOCKET_IFNAME "
             "to the interface the nodes reach each other on, and try NCCL_IB_DISABLE=1 to test "
             "without InfiniBand",
-            tell="multi-node jobs; the WARN line names a socket, connect or NET/IB call",
-            evidence=_seen(r"socket|connect|NET/|ibv|nodes|multi-?node|[0-9]\*[0-9]"),
-        ),
-        Cause(
-            "shared-memory",
-            "shared memory too small",
-            "NCCL could not create its shared-memory segments, nearly always in a container "
-            "whose /dev/shm is the 64 MB default",
-            "start the container with --ipc=host or --shm-size=16g (or set NCCL_SHM_DISABLE=1 "
-            "at some speed cost)",
-            tell="single-node jobs in Docker/Kubernetes; the WARN line names shm or /dev/shm",
-            evidence=_seen(r"shm|docker|container|No space left|Bus error"),
+            tell="multi-node jobs; the WARN line names a socket connect, an interface or NET/IB",
+            # not plain "socket": old messages always say "System call (socket, malloc, ...)"
+            evidence=_seen(
+                r"socketStartConnect|Connect to|Connection refused|NET/|ibv|nodes|multi-?node"
+                r"|[0-9]\*[0-9]"
+            ),
         ),
     ),
     _known(
