@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from ddpgraph._known_errors import KNOWN as TABLE
 from ddpgraph.cli import cli
-from ddpgraph.errors import Explanation, explain, with_explanation
+from ddpgraph.errors import Explanation, explain, explain_exception, with_explanation
 from ddpgraph.facts import WARMUP_RULE
 
 # Texts as torch / NCCL print them (abridged), and the title each must map to.
@@ -273,6 +273,36 @@ def test_capture_errors_list_every_cause_with_the_evident_one_first(context: str
     assert ids[0] == first
     assert sorted(ids) == ["ddp-warmup", "device-mismatch", "host-sync", "uncaptured-setup"]
     assert all(c.tell for c in found.causes)
+
+
+class _Loss:
+    def item(self) -> float:
+        raise RuntimeError(f"CUDA error: {CAPTURE.split('CUDA error: ')[1]}")
+
+
+def test_explain_exception_reads_the_traceback_to_order_the_causes():
+    try:
+        _Loss().item()  # the frame that shows the host sync
+    except RuntimeError as exc:
+        found = explain_exception(exc)
+        explained = with_explanation(exc)
+    assert found is not None and found.causes[0].id == "host-sync"
+    assert explain(CAPTURE).causes[0].id == "ddp-warmup"  # type: ignore[union-attr]
+    assert "ddpgraph explains: a forbidden call inside CUDA-graph capture" in explained
+    assert explained.index("host synchronisation") < explained.index("DDP timing")
+
+
+def test_torchs_cuda_error_boilerplate_is_no_evidence():
+    boilerplate = (
+        "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+        "stacktrace below might be incorrect.\nFor debugging consider passing "
+        "CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side "
+        "assertions."
+    )
+    replay = f"    g.replay()\nRuntimeError: CUDA error: an illegal memory access was encountered\n{boilerplate}"
+    assert explain(replay).causes[0].id == "graph-memory"  # type: ignore[union-attr]
+    capture = explain(f"{CAPTURE}\n{boilerplate}")
+    assert capture is not None and capture.causes == explain(CAPTURE).causes  # type: ignore[union-attr]
 
 
 def test_the_warmup_cause_quotes_the_shared_rule():

@@ -438,7 +438,8 @@ KNOWN: tuple[Known, ...] = (
             "rerun with CUDA_LAUNCH_BLOCKING=1 (and TORCH_USE_CUDA_DSA or compute-sanitizer) so "
             "the error is raised at the faulting kernel, then fix its indices or inputs",
             tell="with CUDA_LAUNCH_BLOCKING=1 the traceback stops in a compute kernel",
-            evidence=_seen(r"watchdog|ProcessGroupNCCL|WorkNCCL|Triton|flash_attn|kernel"),
+            # not "kernel": torch appends "CUDA kernel errors might be asynchronously reported"
+            evidence=_seen(r"watchdog|ProcessGroupNCCL|WorkNCCL|Triton|flash_attn"),
         ),
         Cause(
             "nccl-p2p",

@@ -8,6 +8,7 @@ existing ``except`` clauses keep working.
 from __future__ import annotations
 
 import re
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ __all__ = [
     "ObjectArgumentError",
     "ObjectCollectiveError",
     "explain",
+    "explain_exception",
     "with_explanation",
 ]
 
@@ -131,10 +133,20 @@ def explain(text: str) -> Explanation | None:
     return None
 
 
+def explain_exception(exc: BaseException) -> Explanation | None:
+    """The explanation of ``exc`` read with its traceback and chained exceptions, or None.
+
+    The frames tell causes apart that the message alone cannot (an ``.item()`` call or DDP's
+    ``_pre_forward`` on the way to "operation not permitted when stream is capturing").
+    """
+    frames = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return explain(f"{type(exc).__name__}: {exc}\n{frames}")
+
+
 def with_explanation(exc: BaseException) -> str:
-    """``str(exc)`` followed by the explanation of its text when one is known (for the core to attach)."""
+    """``str(exc)`` followed by the explanation of it when one is known (for the core to attach)."""
     message = str(exc)
-    found = explain(f"{type(exc).__name__}: {message}")
+    found = explain_exception(exc)
     if found is None:
         return message
     return f"{message}\n\nddpgraph explains: {found.render()}"
