@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddpgraph._known_errors import KNOWN as TABLE
+from ddpgraph._known_errors import squeezed_regex
 from ddpgraph.cli import cli
 from ddpgraph.errors import Explanation, explain, explain_exception, with_explanation
 from ddpgraph.facts import WARMUP_RULE
@@ -327,6 +328,12 @@ def test_render_lists_every_cause_with_how_to_tell_them_apart():
     for number, cause in enumerate(found.causes, start=1):
         assert f"{number}. {cause.title}\n   cause: {cause.cause}\n   fix: {cause.fix}" in text
         assert f"how to tell: {cause.tell}" in text
+
+
+def test_patterns_cannot_use_escapes_that_lowering_would_invert():
+    with pytest.raises(ValueError, match=r"upper-case escape"):
+        squeezed_regex(r"Connection\Sreset")
+    assert squeezed_regex(r"Remote Process \d").search("remoteprocess7")
 
 
 def test_every_known_pattern_and_cause_is_complete():

@@ -7,9 +7,9 @@ specific root cause wins over the generic failure it leads to (a peer that exite
 fault before a collective timeout; the first capture error before "previous error during
 capture").
 
-Patterns and evidence are matched against the text with all whitespace removed (so a message
-wrapped over lines, even inside a word, still matches), so they are written without ``\\s`` or
-``\\b``: their spaces are only for reading and are dropped when compiled.
+Patterns and evidence are matched against the text with all whitespace removed and its letters
+lowered (so a message wrapped over lines, even inside a word, still matches), so they are written
+without ``\\s`` or ``\\b``: their spaces are only for reading and are dropped when compiled.
 """
 
 from __future__ import annotations
@@ -24,8 +24,14 @@ __all__ = ["KNOWN", "Cause", "Known", "squeezed_regex"]
 
 
 def squeezed_regex(pattern: str) -> re.Pattern[str]:
-    """``pattern`` compiled to match text whose whitespace was removed (its own spaces dropped)."""
-    return re.compile(pattern.replace(" ", ""), re.IGNORECASE)
+    """``pattern`` compiled to match text whose whitespace was removed and letters lowered.
+
+    Its own spaces are dropped and its letters lowered too: matching lowered text is several
+    times faster than ``re.IGNORECASE``, which matters for long logs.
+    """
+    if re.search(r"\\[A-Z]", pattern):  # lowering \D, \S, \W, ... would invert them
+        raise ValueError(f"pattern {pattern!r} uses an upper-case escape; write it another way")
+    return re.compile(pattern.replace(" ", "").lower())
 
 
 def _seen(pattern: str) -> Callable[[str], bool]:

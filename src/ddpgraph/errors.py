@@ -119,14 +119,14 @@ def explain(text: str) -> Explanation | None:
     or framed by a rich traceback's box characters, is still recognised.
     """
     flat = _flatten(text)
-    squeezed, positions = _squeeze(flat)
+    squeezed = flat.replace(" ", "").lower()  # as the table's patterns expect
     for known in KNOWN:
         match = known.pattern.search(squeezed)
         if match:
             causes = _most_likely_first(known.causes, squeezed)
             first = causes[0]
             title = known.title if len(causes) > 1 else first.title
-            matched = flat[positions[match.start()] : positions[match.end() - 1] + 1]
+            matched = _as_written(match.group(0), flat)
             return Explanation(
                 title, first.cause, first.fix, known.pattern.pattern, matched, known.id, causes
             )
@@ -162,10 +162,11 @@ def _flatten(text: str) -> str:
     return _WHITESPACE.sub(" ", _LINE_DECORATION.sub("", text)).strip()
 
 
-def _squeeze(flat: str) -> tuple[str, list[int]]:
-    """``flat`` without spaces, and for each kept character its index in ``flat``."""
-    positions = [i for i, char in enumerate(flat) if char != " "]
-    return "".join(flat[i] for i in positions), positions
+def _as_written(squeezed_match: str, flat: str) -> str:
+    """The first stretch of ``flat`` that reads ``squeezed_match`` once its spaces are dropped."""
+    spaced = " ?".join(re.escape(char) for char in squeezed_match)
+    found = re.search(spaced, flat, re.IGNORECASE)
+    return found.group(0) if found else squeezed_match
 
 
 def _most_likely_first(causes: tuple[Cause, ...], squeezed: str) -> tuple[Cause, ...]:
