@@ -262,6 +262,12 @@ CAPTURE = "RuntimeError: CUDA error: operation not permitted when stream is capt
     [
         ("  File distributed.py, in _pre_forward\n    set_runtime_stats_and_log()", "ddp-warmup"),
         ("    loss_value = loss.item()", "host-sync"),
+        (  # a host sync inside a DDP model's forward is no DDP warm-up problem
+            '  File "torch/nn/parallel/distributed.py", line 1643, in forward\n'
+            "    return self._run_ddp_forward(*inputs, **kwargs)\n"
+            '  File "model.py", line 12, in forward\n    if mask.sum().item() > 0:',
+            "host-sync",
+        ),
         ("model on cuda:1, capture stream on the current device", "device-mismatch"),
         ("Warp CUDA error 900 (in function cuda_load_module)", "uncaptured-setup"),
         ("", "ddp-warmup"),  # no evidence: the table's order, DDP's warm-up count first

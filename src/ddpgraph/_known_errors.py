@@ -171,10 +171,8 @@ KNOWN: tuple[Known, ...] = (
             _WARMUP_FIX,
             tell="the traceback goes through DistributedDataParallel._pre_forward or "
             "set_runtime_stats_and_log",
-            evidence=_seen(
-                r"set_runtime_stats_and_log|_pre_forward|DistributedDataParallel"
-                r"|parallel/distributed\.py|reducer"
-            ),
+            # only the failing frame: every DDP forward passes through distributed.py's forward
+            evidence=_seen(r"set_runtime_stats_and_log|_pre_forward"),
         ),
         Cause(
             "host-sync",
