@@ -273,6 +273,35 @@ KNOWN: tuple[Known, ...] = (
         ),
     ),
     _known(
+        "variable-ready-twice",
+        r"Expected to mark a variable ready only once|has been marked as ready twice",
+        "DDP saw a parameter's gradient twice in one backward",
+        Cause(
+            "reentrant-checkpointing",
+            "reentrant activation checkpointing",
+            "activation checkpointing with the reentrant implementation (torch.utils.checkpoint "
+            "with use_reentrant=True, or gradient_checkpointing_enable() in older transformers) "
+            "runs a second backward through the checkpointed layers, so DDP's hooks fire twice "
+            "for their parameters",
+            "use non-reentrant checkpointing (checkpoint(fn, x, use_reentrant=False); "
+            "transformers: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False})), or DistributedDataParallel(..., static_graph=True) "
+            "when the graph does not change between iterations",
+            tell="it appears as soon as gradient checkpointing is switched on",
+        ),
+        Cause(
+            "param-used-outside-forward",
+            "a parameter used outside the DDP forward",
+            "a parameter of the wrapped module is used outside its forward (read from "
+            "model.module directly, or shared by two forwards before one backward), so its "
+            "gradient arrives through two paths",
+            "use parameters only inside the DDP module's forward (return what the loss needs "
+            "from forward) and call the DDP module once per backward",
+            tell="no checkpointing; TORCH_DISTRIBUTED_DEBUG=DETAIL names the parameter, which "
+            "the code also touches outside forward",
+        ),
+    ),
+    _known(
         "model-mismatch",
         r"DDP expects same model across all ranks",
         "ranks built different models",
