@@ -299,6 +299,21 @@ def test_explain_exception_reads_the_traceback_to_order_the_causes():
     assert explained.index("host synchronisation") < explained.index("DDP timing")
 
 
+def test_explain_exception_finds_the_first_error_of_a_failed_capture_in_its_chain():
+    # torch.cuda.graph's __exit__ raises "previous error during capture" over the first error
+    try:
+        try:
+            _Loss().item()
+        except RuntimeError:  # torch chains it implicitly (__context__), as here
+            raise RuntimeError(  # noqa: B904
+                "CUDA error: operation failed due to a previous error during capture"
+            )
+    except RuntimeError as exc:
+        found = explain_exception(exc)
+    assert found is not None and found.id == "capture-not-permitted"
+    assert found.causes[0].id == "host-sync"
+
+
 def test_torchs_cuda_error_boilerplate_is_no_evidence():
     boilerplate = (
         "CUDA kernel errors might be asynchronously reported at some other API call, so the "
