@@ -401,6 +401,19 @@ def test_cli_explain_reads_a_file_as_tokenize_open_does(tmp_path: Path, data: by
     assert result.output.startswith("two ranks on one GPU\ncause: ")
 
 
+def test_cli_explain_reports_an_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    log = tmp_path / "secret.log"
+    log.write_text("ncclInvalidUsage")
+
+    def denied(self: Path) -> bytes:  # chmod 0 does not stop root, who runs these tests
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    result = CliRunner().invoke(cli, ["explain", str(log)])
+    assert result.exit_code == 1
+    assert "secret.log" in result.output and "Permission denied" in result.output
+
+
 def test_cli_explain_reads_stdin_bytes_with_a_bom():
     data = "\ufeffRuntimeError: Address already in use\n".encode()
     result = CliRunner().invoke(cli, ["explain", "-"], input=data)

@@ -181,7 +181,12 @@ def _read_message(source: str) -> str:
         is_file = "\n" not in source and Path(source).is_file()
     except OSError:  # e.g. a long message is not a valid file name
         is_file = False
-    return _decode(Path(source).read_bytes()) if is_file else source
+    if not is_file:
+        return source
+    try:
+        return _decode(Path(source).read_bytes())
+    except OSError as exc:
+        raise click.FileError(source, hint=exc.strerror) from exc
 
 
 def _decode(data: bytes) -> str:
