@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import tokenize
 from pathlib import Path
 
 import click
@@ -165,12 +167,14 @@ def lint(files: tuple[Path, ...], fmt: str) -> None:
 
 
 @cli.command()
-@click.argument("text")
-def explain(text: str) -> None:
-    """Explain an error message: its cause and fix. TEXT "-" reads the message from stdin."""
-    if text == "-":
-        text = sys.stdin.read()
-    found = explain_error(text)
+@click.argument("source")
+def explain(source: str) -> None:
+    """Explain an error message: its causes, most likely first, and their fixes.
+
+    SOURCE is the message itself, a file that holds it (a log or a traceback), or "-" to read
+    it from stdin. Exit status: 0 when the error is known, 1 otherwise.
+    """
+    found = explain_error(_read_message(source))
     if found is None:
         click.echo(
             "No known explanation for this error. Run `ddpgraph doctor` to check the environment "
@@ -179,6 +183,32 @@ def explain(text: str) -> None:
         )
         raise SystemExit(1)
     click.echo(found.render())
+
+
+def _read_message(source: str) -> str:
+    """The text of ``explain``'s SOURCE: stdin for "-", a file's contents, or SOURCE itself."""
+    if source == "-":
+        return _decode(sys.stdin.buffer.read())
+    try:
+        is_file = "\n" not in source and Path(source).is_file()
+    except OSError:  # e.g. a long message is not a valid file name
+        is_file = False
+    if not is_file:
+        return source
+    try:
+        return _decode(Path(source).read_bytes())
+    except OSError as exc:
+        raise click.FileError(source, hint=exc.strerror) from exc
+
+
+def _decode(data: bytes) -> str:
+    """``data`` decoded as ``tokenize.open`` decodes source: a UTF-8 BOM or a PEP 263 coding line
+    picks the codec, UTF-8 otherwise; bytes that do not decode are replaced (a log may hold some)."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError:  # an unknown or conflicting coding line, or a first line not in UTF-8
+        encoding = "utf-8"
+    return data.decode(encoding, errors="replace")
 
 
 @cli.command()
