@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import CaptureError, explain
+from .errors import CaptureError, explain_exception
 
 __all__ = ["CapturedGraph", "GraphCache", "ReplayGuard"]
 
@@ -168,6 +168,6 @@ def first_capture_error(exc: BaseException) -> str:
         current = current.__cause__ or current.__context__
     first = chain[-1]
     text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
-    known = explain(f"{type(first).__name__}: {first}")
+    known = explain_exception(first)
     explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
     return f"capture failed: {type(first).__name__}: {text}{explained}"
