@@ -232,7 +232,10 @@ def test_device_check_names_the_ranks_that_never_arrived():
     from ddpgraph.runtime import check_unique_devices
 
     store = torch.distributed.HashStore()
-    with pytest.raises(CollectiveTimeout, match=r"ddpgraph.init \(device check\) timed out after 1s: ranks \[1, 2\] had not arrived"):
+    with pytest.raises(
+        CollectiveTimeout,
+        match=r"ddpgraph.init \(device check\) timed out after 1s: ranks \[1, 2\] had not arrived",
+    ):
         check_unique_devices(
             store, 0, 3, torch.device("cpu"), key="k", timeout=timedelta(seconds=1)
         )

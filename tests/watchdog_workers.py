@@ -59,3 +59,55 @@ def barrier_whose_host_leaves(iterations: int, timeout: float, absent: int) -> l
         outcomes.append(outcome)
         coord.barrier(f"done{i}", world_size)
     return outcomes
+
+
+def gather_then_exit_at_once(timeout: float, absent: int) -> Any:
+    """Ranks but ``absent`` gather with ``timeout``; each shuts down the moment it has its error
+    (rank 0's store goes with it, as when its process exits)."""
+    import ddpgraph
+
+    ddpgraph.init(backend="gloo")
+    rank = _rank()
+    if rank == absent:
+        time.sleep(timeout + 3)
+        ddpgraph.shutdown()
+        return "absent"
+    try:
+        ddpgraph.all_gather_object(rank, timeout=timeout)
+        outcome: Any = "passed"
+    except CollectiveTimeout as exc:
+        outcome = (list(exc.missing), str(exc))
+    ddpgraph.shutdown()
+    return outcome
+
+
+def _base_store(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def watchdog_keys_after_shutdown() -> dict[str, list[str]]:
+    """After every rank's shutdown: watchdog threads left here, and (rank 0) watchdog keys left
+    in the job's store."""
+    import threading
+
+    import ddpgraph
+    from ddpgraph import watchdog
+
+    base = _base_store(dist.distributed_c10d._get_default_store())
+    with watchdog.watch("eager", step=1):
+        time.sleep(1.5)  # heartbeats written
+    ddpgraph.all_gather_object(0)  # and an object collective watched
+    before = [k for k in base.list_keys() if "watchdog" in k] if _rank() == 0 else []
+    ddpgraph.shutdown()
+    base.add("test/shut-down", 1)
+    while int(base.add("test/shut-down", 0)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
+    threads = [t.name for t in threading.enumerate() if t.name.startswith("ddpgraph-watchdog")]
+    keys = [k for k in base.list_keys() if "watchdog" in k] if _rank() == 0 else []
+    base.add("test/read", 1)
+    if _rank() == 0:  # keep the store up until every rank has read it
+        while int(base.add("test/read", 0)) < int(os.environ["WORLD_SIZE"]):
+            time.sleep(0.05)
+    return {"threads": threads, "keys": keys, "before": before}

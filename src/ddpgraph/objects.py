@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from ._log import get_logger
 from .codec import CODECS, DecodeError, decode, encode_parts
 from .errors import (
@@ -341,18 +342,21 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
         slot = memoryview(_header(call, 1, status, size) + payload[:_INLINE])
         _raise_on_problems(call, [_parse_header(slot)], [slot])
         return [memoryview(payload)]
-    state = _group_state(call.group)
-    device = _device_for(call, state)
-    state.seq += 1
-    if call.timeout is not None:
-        _await_arrivals(call, state)
-    header = _header(call, state.seq, status, size)
-    with _explained(call, state.seq):
-        slots = _first_round(call, device, state, header, parts, size)
-    headers = [_parse_header(slots[r]) for r in range(call.world_size)]
-    _raise_on_problems(call, headers, slots)
-    with _explained(call, state.seq):
-        return _second_round(call, device, headers, slots, parts, size)
+    # The watchdog's heartbeat names this call and its site; a peer that never comes is reported
+    # after the init timeout even without timeout= here.
+    with watchdog.watch(f"object:{call.name}", site=call.site[1]):
+        state = _group_state(call.group)
+        device = _device_for(call, state)
+        state.seq += 1
+        if call.timeout is not None:
+            _await_arrivals(call, state)
+        header = _header(call, state.seq, status, size)
+        with _explained(call, state.seq):
+            slots = _first_round(call, device, state, header, parts, size)
+        headers = [_parse_header(slots[r]) for r in range(call.world_size)]
+        _raise_on_problems(call, headers, slots)
+        with _explained(call, state.seq):
+            return _second_round(call, device, headers, slots, parts, size)
 
 
 @contextmanager
