@@ -85,11 +85,14 @@ class Job:
             assert self.procs[rank].poll() is None, self.procs[rank].communicate()[0]
             time.sleep(0.05)
 
-    def finish(self, limit: float) -> list[tuple[int | None, str]]:
-        """Each rank's exit status (None: still running at ``limit``, then killed) and output."""
+    def finish(self, limit: float, wait_for: int | None = None) -> list[tuple[int | None, str]]:
+        """Each rank's exit status (None: still running at ``limit``, then killed) and output.
+        ``wait_for``: only the first so many ranks are waited for; the others are killed."""
         deadline = time.monotonic() + limit
         results = []
-        for proc in self.procs:
+        for rank, proc in enumerate(self.procs):
+            if wait_for is not None and rank >= wait_for:
+                deadline = 0.0
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 code: int | None = proc.returncode
@@ -129,7 +132,7 @@ def test_a_stopped_rank_is_named_within_the_timeout_after_a_stall_warning(job_di
         job.wait_for_step(1, 10)
         os.kill(job.procs[1].pid, signal.SIGSTOP)
         stopped_at = time.time()
-        (code0, output0), _ = job.finish(TIMEOUT_S + 30)
+        (code0, output0), _ = job.finish(TIMEOUT_S + 30, wait_for=1)
     finally:
         job.kill_all()
     survivor = job.outcome(0)
@@ -156,9 +159,8 @@ def test_a_rank_killed_in_an_all_reduce_is_named_by_the_survivor(job_dir):
     assert code1 == -signal.SIGKILL
     assert code0 == 1, output0
     survivor = job.outcome(0)
-    assert (
-        survivor["error"] == "RuntimeError" and "Connection closed by peer" in survivor["message"]
-    )
+    # gloo's own error (closed or reset, depending on timing), with the watchdog's note added
+    assert survivor["error"] == "RuntimeError" and "Connection" in survivor["message"]
     assert any("rank(s) [1] stopped sending heartbeats" in n for n in survivor["notes"]), survivor
     assert "rank(s) [1] stopped sending heartbeats" in output0  # the traceback shows the note
 

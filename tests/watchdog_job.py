@@ -47,8 +47,10 @@ def main(scenario: str, timeout: float, stall: float, out: Path) -> None:
     logging.getLogger("ddpgraph").addHandler(records)
     outcome: dict[str, Any] = {"rank": rank, "pid": os.getpid()}
     try:
-        ddpgraph.init(backend="gloo", timeout=timeout, stall_warning=stall)
-        outcome["result"] = _train(scenario, rank, out)
+        # the context manager shuts down on the way out, also after an error, so the process
+        # ends with the exception's status, not with gloo's threads aborting at finalization
+        with ddpgraph.init(backend="gloo", timeout=timeout, stall_warning=stall):
+            outcome["result"] = _train(scenario, rank, out)
     except BaseException as exc:
         outcome["error"] = type(exc).__name__
         outcome["message"] = str(exc)
@@ -59,7 +61,6 @@ def main(scenario: str, timeout: float, stall: float, out: Path) -> None:
     finally:
         outcome["log"] = records.lines
         (out / f"rank{rank}.json").write_text(json.dumps(outcome))
-    ddpgraph.shutdown()
 
 
 def _train(scenario: str, rank: int, out: Path) -> dict[str, Any]:
@@ -74,8 +75,6 @@ def _train(scenario: str, rank: int, out: Path) -> dict[str, Any]:
         if step == FAULT_STEP:
             _before_step(scenario, rank, step)
         with watchdog.watch("eager", step=step, site="watchdog_job.py:train"):
-            if step == FAULT_STEP and scenario == "straggler" and rank == 1:
-                time.sleep(float(os.environ["STRAGGLE_S"]))  # slow, then catches up
             loss = model(x).square().mean()
             loss.backward()
             opt.step()
@@ -89,6 +88,8 @@ def _train(scenario: str, rank: int, out: Path) -> dict[str, Any]:
 
 
 def _before_step(scenario: str, rank: int, step: int) -> None:
+    if scenario == "straggler" and rank == 1:
+        time.sleep(float(os.environ["STRAGGLE_S"]))  # slow data loading, then catches up
     if scenario == "kill_in_object" and rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     if scenario == "kill_in_object":

@@ -413,8 +413,8 @@ class Watchdog:
         now = time.time()
         lines = [
             f"  rank {r}: "
-            + (beats[r].describe(now) if r in beats else "no heartbeat (not started, or exited)")
-            + ("   <- behind" if r in behind else "")
+            + (beats[r].describe(now) if r in beats else "no heartbeat")
+            + (f"   <- behind ({behind[r]})" if r in behind else "")
             for r in range(self.world_size)
         ]
         named = f"Behind: ranks {sorted(behind)}." if behind else "No rank is behind this one."
@@ -426,26 +426,29 @@ class Watchdog:
         return "\n".join([f"{head} {named} Where every rank is:", *lines, fix]), sorted(behind)
 
     def _behind(self, beats: dict[int, _Beat], hang: _Hang) -> dict[int, str]:
-        """Ranks that are behind this one, each with why."""
+        """Ranks that are behind this one, each with a short reason."""
         now = time.time()
         behind: dict[int, str] = {}
         for r in range(self.world_size):
+            beat = beats.get(r)
             if r == self.rank:
                 continue
-            beat = beats.get(r)
             if beat is None:
-                behind[r] = "no heartbeat (not started, or exited)"
+                behind[r] = "no heartbeat: not started, or exited"
             elif beat.age(now) > _STALE_S:
-                behind[r] = (
-                    f"no heartbeat for {beat.age(now):.1f}s: stopped or dead "
-                    f"(last: {beat.describe(now)})"
-                )
-            elif beat.step < hang.step or (beat.step == hang.step and not beat.inside):
-                behind[r] = f"at {beat.describe(now)}"
+                behind[r] = f"no heartbeat for {beat.age(now):.1f}s: stopped or dead"
+            elif beat.step < hang.step:
+                behind[r] = f"at step {beat.step}"
+            elif beat.step == hang.step and not beat.inside:
+                behind[r] = f"not in a watched call at step {beat.step}"
         return behind
 
     def _behind_text(self, beats: dict[int, _Beat], hang: _Hang) -> str:
-        return "; ".join(f"rank {r} {why}" for r, why in sorted(self._behind(beats, hang).items()))
+        now = time.time()
+        return "; ".join(
+            f"rank {r} ({why}; " + (beats[r].describe(now) if r in beats else "no heartbeat") + ")"
+            for r, why in sorted(self._behind(beats, hang).items())
+        )
 
     def _agree(self, mine: dict[str, Any]) -> dict[str, Any]:
         """The first verdict written wins, so that every rank prints the same one."""
