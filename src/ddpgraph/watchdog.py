@@ -66,6 +66,7 @@ _STORE_CALL_S = 5.0
 # the store: its exiting would otherwise cut the others off before they print it).
 _DELIVERY_GRACE_S = 5.0
 _VERDICT_READ_S = 3.0
+_ABORT_WAIT_S = 2.0
 # A watched call that fails this close to the timeout failed of it (gloo's own timeout is the
 # same value and races this thread): wait for the verdict instead of passing the error on.
 _TIMEOUT_FRACTION = 0.9
@@ -509,17 +510,15 @@ class Watchdog:
 
     def _abort_communicators(self) -> None:
         """torch's own abort (ProcessGroupNCCL: ncclCommAbort, which also ends NCCL kernels that
-        wait for a peer); a no-op on gloo. The groups stay registered: the main thread's next
-        call fails instead of finding torch's bookkeeping changed under it."""
+        wait for a peer); a no-op on gloo (measured: a blocked gloo call stays blocked). The
+        groups stay registered: the main thread's next call fails instead of finding torch's
+        bookkeeping changed under it. Run on a thread of its own and waited for only briefly:
+        an abort that blocks must not keep this rank from exiting."""
         if not (dist.is_available() and dist.is_initialized()):
             return
-        with contextlib.suppress(Exception):
-            groups = list(dist.distributed_c10d._world.pg_map)
-            for group in reversed(groups):
-                abort = getattr(group, "abort", None)
-                if abort is not None:
-                    with contextlib.suppress(Exception):
-                        abort()
+        aborter = threading.Thread(target=_abort_all_groups, name="ddpgraph-abort", daemon=True)
+        aborter.start()
+        aborter.join(timeout=_ABORT_WAIT_S)
 
     # ---- heartbeats ----
 
@@ -579,6 +578,15 @@ class Watchdog:
 
 
 _VERDICT = "verdict"
+
+
+def _abort_all_groups() -> None:
+    with contextlib.suppress(Exception):
+        for group in reversed(list(dist.distributed_c10d._world.pg_map)):
+            abort = getattr(group, "abort", None)
+            if abort is not None:
+                with contextlib.suppress(Exception):
+                    abort()
 
 
 def _beat_key(rank: int) -> str:
