@@ -333,11 +333,12 @@ class Watchdog:
         while not self._stop.wait(_TICK_S):
             try:
                 now = time.monotonic()
+                beat_due = now >= next_beat
                 if self._verdict is None:
-                    self._check(now)
+                    self._check(now, look_for_peer_verdict=beat_due)
                 else:
                     self._exit_if_undelivered(now)
-                if now >= next_beat and not self._stop.is_set():
+                if beat_due and not self._stop.is_set():
                     self._publish()
                     next_beat = now + _HEARTBEAT_S
             except Exception as exc:  # the watchdog must keep watching
@@ -345,14 +346,14 @@ class Watchdog:
                     self._thread_error_logged = True
                     get_logger().warning("ddpgraph watchdog: %s: %s", type(exc).__name__, exc)
 
-    def _check(self, now: float) -> None:
+    def _check(self, now: float, *, look_for_peer_verdict: bool) -> None:
         hang = self._local_hang(now)
         if hang is not None and hang.age >= self.timeout_s:
             self._declare(hang)
         elif hang is not None and hang.age >= self.stall_s and hang.since != self._warned_since:
             self._warned_since = hang.since
             self._warn_stall(hang)
-        elif self._peer_verdict():
+        elif look_for_peer_verdict and self._peer_verdict():  # once a heartbeat: store load
             get_logger().error("%s", self._verdict)
             self._abort_communicators()
             self._acknowledge_verdict()
