@@ -66,7 +66,17 @@ class ObjectArgumentError(ObjectCollectiveError, ValueError):
 
 
 class CollectiveTimeout(TimeoutError):
-    """A rank did not arrive at a collective within its timeout; names the missing rank(s)."""
+    """A rank did not arrive at a collective within its timeout; names the missing rank(s).
+
+    ``missing`` lists the ranks that had not arrived or were behind (empty where unknown).
+    """
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message, tuple(missing))
+        self.missing: tuple[int, ...] = tuple(missing)
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class CaptureError(RuntimeError):

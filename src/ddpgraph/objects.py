@@ -29,7 +29,6 @@ import numbers
 import os
 import struct
 import sys
-import time
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -41,6 +40,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from . import watchdog
 from ._log import get_logger
 from .codec import CODECS, DecodeError, decode, encode_parts
 from .errors import (
@@ -50,7 +50,14 @@ from .errors import (
     ObjectCollectiveError,
     with_explanation,
 )
-from .runtime import as_timedelta, check_unique_devices, get_runtime, group_device
+from .runtime import (
+    as_timedelta,
+    check_unique_devices,
+    forget_barrier,
+    get_runtime,
+    group_device,
+    store_barrier,
+)
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -335,18 +342,21 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
         slot = memoryview(_header(call, 1, status, size) + payload[:_INLINE])
         _raise_on_problems(call, [_parse_header(slot)], [slot])
         return [memoryview(payload)]
-    state = _group_state(call.group)
-    device = _device_for(call, state)
-    state.seq += 1
-    if call.timeout is not None:
-        _await_arrivals(call, state)
-    header = _header(call, state.seq, status, size)
-    with _explained(call, state.seq):
-        slots = _first_round(call, device, state, header, parts, size)
-    headers = [_parse_header(slots[r]) for r in range(call.world_size)]
-    _raise_on_problems(call, headers, slots)
-    with _explained(call, state.seq):
-        return _second_round(call, device, headers, slots, parts, size)
+    # The watchdog's heartbeat names this call and its site; a peer that never comes is reported
+    # after the init timeout even without timeout= here.
+    with watchdog.watch(f"object:{call.name}", site=call.site[1]):
+        state = _group_state(call.group)
+        device = _device_for(call, state)
+        state.seq += 1
+        if call.timeout is not None:
+            _await_arrivals(call, state)
+        header = _header(call, state.seq, status, size)
+        with _explained(call, state.seq):
+            slots = _first_round(call, device, state, header, parts, size)
+        headers = [_parse_header(slots[r]) for r in range(call.world_size)]
+        _raise_on_problems(call, headers, slots)
+        with _explained(call, state.seq):
+            return _second_round(call, device, headers, slots, parts, size)
 
 
 @contextmanager
@@ -450,7 +460,8 @@ def _device_for(call: _Call, state: _GroupState) -> torch.device:
         except CollectiveTimeout as exc:
             raise CollectiveTimeout(
                 f"{call.name} at {call.site[1]}: the first object collective on this group "
-                f"checks every rank's GPU, and not all ranks arrived ({exc})"
+                f"checks every rank's GPU, and not all ranks arrived ({exc})",
+                missing=exc.missing,
             ) from exc
         state.device = device
     return state.device
@@ -476,53 +487,34 @@ def _group_state(group: dist.ProcessGroup) -> _GroupState:
 
 def _await_arrivals(call: _Call, state: _GroupState) -> None:
     """Wait until every rank has entered call number ``state.seq``, or raise naming the missing
-    ones.
+    ones (:func:`ddpgraph.runtime.store_barrier`).
 
     Only after all have arrived does any rank start the collective, so a timeout never leaves a
-    peer blocked inside it. The verdict ("go" or "timeout") is one store key set once with
-    compare_set: a rank arriving just as another gives up sees the same verdict as it.
+    peer blocked inside it; the barrier's verdict is the same on every rank.
     """
     assert call.timeout is not None
     store = dist.distributed_c10d._get_default_store()
     prefix, seq = state.store_prefix, state.seq
-    key = f"{prefix}/{seq}"
-    store.append(f"{key}/who", f"{call.rank},")  # type: ignore[attr-defined]  # missing from stubs
-    last = store.add(f"{key}/n", 1) == call.world_size
-    start = time.monotonic()
-    if last:  # the verdict names the last rank, for the straggler warning below
-        verdict = store.compare_set(f"{key}/go", "", f"go {call.rank}")
-    else:
-        try:
-            store.wait([f"{key}/go"], call.timeout)
-            verdict = store.get(f"{key}/go")
-        except Exception:  # the store raises DistStoreError (a RuntimeError) on timeout
-            verdict = store.compare_set(f"{key}/go", "", "timeout")
-    if verdict.startswith(b"go"):
-        waited = time.monotonic() - start
-        if waited > _STRAGGLER_FRACTION * call.timeout.total_seconds():
-            get_logger().warning(
-                "%s at %s (call #%d): waited %.1fs of the %gs timeout for rank %s, the last to "
-                "arrive; it is slow here (an uneven step, I/O, or a skipped warm-up?)",
-                call.name, call.site[1], seq, waited, call.timeout.total_seconds(),
-                verdict.split()[1].decode(),
-            )  # fmt: skip
-        if last and seq > 1:
-            # Every rank is past call seq - 1 (it arrived here), so its keys can go.
-            for name in ("who", "n", "go"):
-                store.delete_key(f"{prefix}/{seq - 1}/{name}")
-        return
-    arrived = sorted({int(r) for r in store.get(f"{key}/who").decode().split(",") if r})
-    missing = sorted(set(range(call.world_size)) - set(arrived))
-    raise CollectiveTimeout(
-        f"{call.name} at {call.site[1]} (call #{seq} on this group) timed out after "
-        f"{call.timeout.total_seconds():g}s: ranks {missing} had not arrived (ranks {arrived} "
-        "had). Every rank must make the same object collectives in the same order; check the "
-        "missing ranks for an exception, a skipped call or a slow step, or raise timeout=."
-        if missing
-        else f"{call.name} at {call.site[1]} (call #{seq} on this group): this rank arrived "
-        f"after the others had given up waiting ({call.timeout.total_seconds():g}s); raise "
-        "timeout= or find what made this rank late."
+    arrived = store_barrier(
+        store,
+        f"{prefix}/{seq}",
+        rank=call.rank,
+        world_size=call.world_size,
+        timeout=call.timeout,
+        what=f"{call.name} at {call.site[1]} (call #{seq} on this group)",
+        fix="every rank must make the same object collectives in the same order; check the "
+        "missing ranks for an exception, a skipped call or a slow step, or raise timeout=",
     )
+    if arrived.waited_s > _STRAGGLER_FRACTION * call.timeout.total_seconds():
+        get_logger().warning(
+            "%s at %s (call #%d): waited %.1fs of the %gs timeout for rank %d, the last to "
+            "arrive; it is slow here (an uneven step, I/O, or a skipped warm-up?)",
+            call.name, call.site[1], seq, arrived.waited_s, call.timeout.total_seconds(),
+            arrived.last,
+        )  # fmt: skip
+    if arrived.last == call.rank and seq > 1:
+        # Every rank is past call seq - 1 (it arrived here), so its keys can go.
+        forget_barrier(store, f"{prefix}/{seq - 1}")
 
 
 def _gather_slots(call: _Call, device: torch.device, slot: torch.Tensor, size: int) -> torch.Tensor:

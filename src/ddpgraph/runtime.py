@@ -12,9 +12,10 @@ import gc
 import numbers
 import os
 import socket
+import time
 import warnings
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -22,6 +23,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from . import watchdog as _watchdog
 from ._log import configure_logging
 from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
 
@@ -77,7 +79,7 @@ class Runtime:
 @dataclass
 class _State:
     runtime: Runtime
-    requested: tuple[str | None, timedelta]
+    requested: tuple[str | None, timedelta, timedelta | None, bool]  # backend, timeout, stall, dog
     owns_group: bool
 
 
@@ -90,7 +92,13 @@ def get_runtime() -> Runtime | None:
     return _state.runtime if _state is not None else None
 
 
-def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIMEOUT) -> Runtime:
+def init(
+    *,
+    backend: str | None = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT,
+    stall_warning: float | timedelta | None = None,
+    watchdog: bool = True,
+) -> Runtime:
     """Set up this rank: process group, device binding, device-uniqueness check. Call on every rank.
 
     Reads torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
@@ -103,27 +111,77 @@ def init(*, backend: str | None = None, timeout: float | timedelta = DEFAULT_TIM
     A repeated call with the same arguments returns the same :class:`Runtime`; one with other
     arguments raises :class:`DistributedStateError`. If the application already created the default
     process group, ``init`` adopts it (and leaves it to the application to destroy).
+
+    ``watchdog=True`` (default) starts :mod:`ddpgraph.watchdog` on this rank: a watched call (a
+    TrainStep step, an object collective, ``watchdog.watch(...)``) or a graph replay not done
+    after ``timeout`` ends the job with :class:`CollectiveTimeout` naming the ranks behind and
+    where each rank is, instead of hanging; after ``stall_warning`` (default a quarter of
+    ``timeout``, at most 60 s) one warning names the slow ranks.
     """
     global _state
-    requested = (backend, as_timedelta(timeout, caller="ddpgraph.init"))
+    limit = as_timedelta(timeout, caller="ddpgraph.init")
+    stall = _stall_warning(stall_warning, limit, watchdog)
+    requested = (backend, limit, stall, watchdog)
     if _state is not None:
         if _state.requested != requested:
             raise DistributedStateError(
-                f"ddpgraph.init() was already called with backend={_state.requested[0]!r}, "
-                f"timeout={_state.requested[1]}; this call asks backend={backend!r}, "
-                f"timeout={requested[1]}. Call ddpgraph.shutdown() first, or pass the same arguments."
+                f"ddpgraph.init() was already called with {_describe_request(_state.requested)}; "
+                f"this call asks {_describe_request(requested)}. Call ddpgraph.shutdown() "
+                "first, or pass the same arguments."
             )
         return _state.runtime
     if dist.is_available() and dist.is_initialized():
-        _state = _State(_adopt_group(requested[1]), requested, owns_group=False)
+        runtime, store = _adopt_group(limit)
+        _state = _State(runtime, requested, owns_group=False)
     else:
-        _state = _State(_new_group(backend, requested[1]), requested, owns_group=True)
-    configure_logging(_state.runtime.rank)
-    return _state.runtime
+        runtime, store = _new_group(backend, limit)
+        _state = _State(runtime, requested, owns_group=True)
+    configure_logging(runtime.rank)
+    if watchdog:
+        _watchdog.start(
+            dist.PrefixStore(f"{_next_store_key('watchdog')}", store),
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            timeout=limit,
+            stall_warning=stall,
+            store_host=_store_host(),
+        )
+    return runtime
+
+
+def _describe_request(requested: tuple[str | None, timedelta, timedelta | None, bool]) -> str:
+    backend, timeout, stall, watchdog = requested
+    return f"backend={backend!r}, timeout={timeout}, stall_warning={stall}, watchdog={watchdog}"
+
+
+def _stall_warning(
+    value: float | timedelta | None, timeout: timedelta, watchdog: bool
+) -> timedelta | None:
+    if not isinstance(watchdog, bool):
+        raise ConfigError(f"ddpgraph.init: watchdog={watchdog!r} must be True or False.")
+    if value is None:
+        return None
+    stall = as_timedelta(value, caller="ddpgraph.init(stall_warning=)")
+    if stall >= timeout:
+        raise ConfigError(
+            f"ddpgraph.init: stall_warning={stall.total_seconds():g}s is not shorter than "
+            f"timeout={timeout.total_seconds():g}s, so it would never warn; pass a shorter "
+            "stall_warning= (or None for a quarter of the timeout)."
+        )
+    return stall
+
+
+def _store_host() -> str:
+    """Who hosts the rendezvous store, for a report written when it stops answering."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return "torchrun's agent hosts it, so the agent may have ended the job"
+    return "in a plain env:// job rank 0 hosts it, so rank 0 has probably exited or is stopped"
 
 
 def shutdown() -> None:
     """Destroy the process group that :func:`init` made (call on every rank); harmless if none.
+
+    The watchdog stops first, leaving no thread and no store key behind.
 
     Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
     the caller no longer holds is freed with its process group now, not during interpreter
@@ -132,6 +190,7 @@ def shutdown() -> None:
     function that built them) before calling shutdown.
     """
     global _state
+    _watchdog.stop()  # first: a watchdog must not report the group's end as a hang
     state, _state = _state, None
     if state is None or not state.owns_group or not dist.is_initialized():
         return
@@ -261,7 +320,7 @@ def device_identity(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
+def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, dist.Store]:
     launch = read_launch_env()
     name = resolve_backend(backend)
     device = bind_device(launch.local_rank)
@@ -288,7 +347,7 @@ def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
         timeout=timeout,
         device_id=device if name == "nccl" else None,
     )
-    return Runtime(
+    runtime = Runtime(
         launch.rank,
         launch.local_rank,
         launch.world_size,
@@ -297,6 +356,7 @@ def _new_group(backend: str | None, timeout: timedelta) -> Runtime:
         name,
         timeout,
     )
+    return runtime, store
 
 
 def _rendezvous(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
@@ -323,7 +383,7 @@ def _check_port(value: str) -> None:
         )
 
 
-def _adopt_group(timeout: timedelta) -> Runtime:
+def _adopt_group(timeout: timedelta) -> tuple[Runtime, dist.Store]:
     launch = read_launch_env()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if launch.launched and (launch.rank, launch.world_size) != (rank, world_size):
@@ -333,19 +393,20 @@ def _adopt_group(timeout: timedelta) -> Runtime:
         )
     device = _adopted_device()
     backend = str(dist.get_backend())
+    store = dist.distributed_c10d._get_default_store()
     if "nccl" in backend.lower():
         # The application bound (or forgot to bind) the device itself: check it like init()
         # does, so that two ranks on one GPU fail here, naming them, instead of hanging in NCCL.
         # (gloo ranks may share a GPU for compute: their collectives never touch it.)
         check_unique_devices(
-            dist.distributed_c10d._get_default_store(),
+            store,
             rank,
             world_size,
             device,
             key=_next_store_key("adopt"),
             timeout=timeout,
         )
-    return Runtime(
+    runtime = Runtime(
         rank,
         launch.local_rank,
         world_size,
@@ -354,6 +415,7 @@ def _adopt_group(timeout: timedelta) -> Runtime:
         backend,
         timeout,
     )
+    return runtime, store
 
 
 def _adopted_device() -> torch.device:
@@ -395,43 +457,194 @@ def check_unique_devices(
 ) -> None:
     """Raise :class:`DeviceConflictError` on every rank if two ranks of a host share a GPU.
 
-    Each rank appends ``rank, hostname, GPU UUID`` to one store key and waits until all have; the
-    store, not a collective, carries this so that a conflict is found before NCCL can hang on it.
-    Must be called by all ``world_size`` ranks with the same ``key``.
+    Each rank sends ``rank, hostname, GPU UUID`` through a :func:`store_barrier` and waits until
+    all have; the store, not a collective, carries this so that a conflict is found before NCCL
+    can hang on it. Must be called by all ``world_size`` ranks with the same ``key``.
     """
     if world_size == 1:
         return
     identity = device_identity(device) or "-"
-    entry = f"{rank}\t{socket.gethostname()}\t{identity}\t{device}\n"
-    store.append(f"{key}/devices", entry)  # type: ignore[attr-defined]  # missing from the stubs
-    if store.add(f"{key}/arrived", 1) == world_size:
-        store.set(f"{key}/ready", "1")
-    try:
-        store.wait([f"{key}/ready"], timeout)
-    except Exception as exc:  # the store raises DistStoreError / RuntimeError on timeout
-        seen = _parse_devices(store.get(f"{key}/devices"))
-        missing = sorted(set(range(world_size)) - set(seen))
-        raise CollectiveTimeout(
-            f"ranks {missing} did not reach ddpgraph.init within {timeout.total_seconds():g}s "
-            f"(ranks {sorted(seen)} did); start every rank, or raise timeout=."
-        ) from exc
-    entries = _parse_devices(store.get(f"{key}/devices"))
+    arrived = store_barrier(
+        store,
+        f"{key}/devices",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        payload=f"{rank}\t{socket.gethostname()}\t{identity}\t{device}",
+        what="ddpgraph.init (device check)",
+        fix="start every rank, or raise timeout=",
+    )
+    entries = _parse_devices(arrived.payloads.values())
     # Rank 0 may host the store (a plain env:// job): were it to raise or return and exit at
-    # once, a slower peer's read above would fail with "Connection closed" instead.
-    _wait_until_all_read(store, key, world_size)
+    # once, a slower peer still waiting for the list would fail with "Connection closed" instead.
+    with contextlib.suppress(
+        CollectiveTimeout
+    ):  # a peer gone since: raise our own error regardless
+        store_barrier(
+            store,
+            f"{key}/all-read",
+            rank=rank,
+            world_size=world_size,
+            timeout=_ALL_READ_TIMEOUT,
+            what="ddpgraph.init (device list read)",
+            fix="",
+        )
     raise_on_device_conflicts(entries)
 
 
-def _wait_until_all_read(store: dist.Store, key: str, world_size: int) -> None:
-    if store.add(f"{key}/read", 1) == world_size:
-        store.set(f"{key}/all-read", "1")
-    with contextlib.suppress(Exception):  # a peer gone since: raise our own error regardless
-        store.wait([f"{key}/all-read"], _ALL_READ_TIMEOUT)
+# ---- the one store barrier ----
+
+# A waiting rank re-reads the arrival log at growing intervals, from 1 ms (ranks usually arrive
+# within milliseconds of each other) to 0.1 s: that bounds both the store's load (<= 10 reads a
+# second per waiting rank) and how old the verdict of a rank whose store went away can be.
+# (A store.wait() with a short timeout would wake at once, but torch logs a warning for each.)
+_BARRIER_FIRST_POLL_S = 0.001
+_BARRIER_MAX_POLL_S = 0.1
+_GAVE_UP = "!"
 
 
-def _parse_devices(raw: bytes) -> dict[int, tuple[str, str, str]]:
-    entries: dict[int, tuple[str, str, str]] = {}
+@dataclass(frozen=True)
+class BarrierResult:
+    """What a completed :func:`store_barrier` saw: each rank's payload, and who came last."""
+
+    payloads: dict[int, str]
+    last: int  # the rank whose arrival completed the barrier
+    waited_s: float  # how long this rank waited
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    done: bool  # every expected rank arrived before anyone gave up
+    arrived: tuple[int, ...]  # in arrival order, up to the verdict (or all seen, while pending)
+    payloads: dict[int, str]
+    gave_up: int | None = None  # the first rank that gave up waiting, if any did first
+
+
+def store_barrier(
+    store: dist.Store,
+    key: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    what: str,
+    fix: str,
+    payload: str = "",
+    ranks: Collection[int] | None = None,
+) -> BarrierResult:
+    """Wait until every rank of ``ranks`` (default: all ``world_size``) has called this with
+    ``key``, or raise :class:`CollectiveTimeout` naming the ranks that had not arrived.
+
+    One append-only log per ``key`` is the whole protocol: a rank arriving appends
+    ``"rank payload"``; a rank giving up at its deadline appends ``"! rank"``. Every rank decides
+    from the log alone, and all decide the same: *done* if every expected rank appears before
+    the first give-up, *timed out* (naming the ranks missing before it) otherwise. A rank that
+    arrives after another gave up times out too, so a barrier never lets some ranks through and
+    not others. A waiting rank re-reads the log at least every 0.1 s, so when the store itself
+    goes away (rank 0 hosts it in a plain env:// job, and may exit right after its own timeout)
+    the rank still names the missing ranks from its last read, without another round trip.
+    ``payload`` (one line of text) comes back from every rank in ``BarrierResult.payloads``.
+    Costs 2 store round trips for the last rank to arrive; a waiting rank reads the log at 1, 2,
+    4, ... ms, then every 0.1 s.
+    """
+    expected = frozenset(range(world_size) if ranks is None else ranks)
+    if "\n" in payload:
+        raise ValueError(f"store_barrier: payload {payload!r} must be one line")
+    start = time.monotonic()
+    deadline = start + timeout.total_seconds()
+    log_key = f"{key}/log"
+    store.append(log_key, f"{rank} {payload}\n")  # type: ignore[attr-defined]  # not in the stubs
+    seen = _Verdict(False, (), {})
+    pause = _BARRIER_FIRST_POLL_S
+    while True:
+        try:
+            seen = _read_verdict(store.get(log_key), expected)
+        except Exception as exc:  # the store is gone (its host exited): decide from the last read
+            raise _barrier_timeout(seen, expected, rank, timeout, what, fix, exc) from exc
+        if seen.done or seen.gave_up is not None:
+            break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            seen = _give_up(store, log_key, rank, expected, seen)
+            break
+        time.sleep(min(pause, remaining))
+        pause = min(2 * pause, _BARRIER_MAX_POLL_S)
+    if not seen.done:
+        raise _barrier_timeout(seen, expected, rank, timeout, what, fix, None)
+    return BarrierResult(seen.payloads, seen.arrived[-1], time.monotonic() - start)
+
+
+def forget_barrier(store: dist.Store, key: str) -> None:
+    """Delete a barrier's keys once every rank is known to be past it (e.g. at the next one)."""
+    with contextlib.suppress(Exception):
+        store.delete_key(f"{key}/log")
+
+
+def _give_up(
+    store: dist.Store, log_key: str, rank: int, expected: frozenset[int], seen: _Verdict
+) -> _Verdict:
+    """Mark this rank as gone, then read the log once more: a rank that arrived before the
+    mark still counts (and then every rank goes on). If the store is gone, the last read holds."""
+    try:
+        store.append(log_key, f"{_GAVE_UP} {rank}\n")  # type: ignore[attr-defined]
+        return _read_verdict(store.get(log_key), expected)
+    except Exception:
+        return seen
+
+
+def _read_verdict(raw: bytes, expected: frozenset[int]) -> _Verdict:
+    arrived: list[int] = []
+    payloads: dict[int, str] = {}
     for line in raw.decode().splitlines():
+        head, _, rest = line.partition(" ")
+        if head == _GAVE_UP:
+            return _Verdict(False, tuple(arrived), payloads, gave_up=int(rest))
+        who = int(head)
+        if who not in payloads:
+            arrived.append(who)
+            payloads[who] = rest
+        if expected <= payloads.keys():
+            return _Verdict(True, tuple(arrived), payloads)
+    return _Verdict(False, tuple(arrived), payloads)
+
+
+def _barrier_timeout(
+    seen: _Verdict,
+    expected: frozenset[int],
+    rank: int,
+    timeout: timedelta,
+    what: str,
+    fix: str,
+    store_error: Exception | None,
+) -> CollectiveTimeout:
+    arrived = sorted(set(seen.arrived) & expected)
+    missing = sorted(expected - set(arrived))
+    limit = f"{timeout.total_seconds():g}s"
+    if rank in missing:  # this rank's own arrival came after a peer gave up
+        return CollectiveTimeout(
+            f"{what}: this rank ({rank}) arrived after the others had given up waiting ({limit}; "
+            f"rank {seen.gave_up} first); {fix or 'find what made this rank late'}.",
+            missing=[rank],
+        )
+    if store_error is not None:
+        cause = str(store_error).splitlines()[0] if str(store_error) else type(store_error).__name__
+        when = (
+            f"{what}: the rendezvous store stopped answering while this rank waited ({cause}; in "
+            "a plain env:// job rank 0 hosts it and may have exited after its own timeout); at "
+            "this rank's last read"
+        )
+    else:
+        when = f"{what} timed out after {limit}:"
+    return CollectiveTimeout(
+        f"{when} ranks {missing} had not arrived (ranks {arrived} had)"
+        + (f"; {fix}." if fix else "."),
+        missing=missing,
+    )
+
+
+def _parse_devices(lines: Iterable[str]) -> dict[int, tuple[str, str, str]]:
+    entries: dict[int, tuple[str, str, str]] = {}
+    for line in lines:
         rank, host, identity, device = line.split("\t")
         entries[int(rank)] = (host, identity, device)
     return entries
