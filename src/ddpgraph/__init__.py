@@ -5,6 +5,13 @@ Public names are exactly those in ``__all__`` (pinned by a test); everything els
 
 from __future__ import annotations
 
+from .checkpoint import (
+    CheckpointError,
+    ResumableLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -23,12 +30,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",
+    "ResumableLoader",
     "Runtime",
     "StepReport",
     "TrainStep",
@@ -39,5 +48,8 @@ __all__ = [
     "gather_object",
     "get_runtime",
     "init",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "shutdown",
 ]
