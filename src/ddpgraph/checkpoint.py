@@ -380,11 +380,20 @@ def _agreed_partial_name(step: int, distributed: bool) -> str:
     return str(proposals[0][1])
 
 
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    # DCP writes a key every rank holds once, from a rank of its choosing. DDP replicas are not
+    # all equal: BatchNorm's running stats differ per rank until the next forward broadcasts
+    # rank 0's. Rank 0's copy is the one training continues from, so rank 0 writes them.
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
 def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
     import torch.distributed.checkpoint as dcp
 
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=partial, no_dist=not distributed)
+        dcp.save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
 
 
 def _save_async(
@@ -401,9 +410,19 @@ def _save_async(
     import torch.distributed.checkpoint as dcp
 
     group = _checkpoint_group() if distributed else None
+    if not distributed:
+        # the writer thread warns again after _quiet_single_process has ended; world size 1
+        # without a process group is a supported case, not a mistake
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", module="torch.distributed"
+        )
     with _quiet_single_process():
         response: Any = dcp.async_save(
-            state, checkpoint_id=partial, process_group=group, no_dist=not distributed
+            state,
+            checkpoint_id=partial,
+            planner=_planner(),
+            process_group=group,
+            no_dist=not distributed,
         )
     upload: Future[Any] = getattr(response, "upload_completion", response)
     done: Future[Path] = Future()
@@ -571,31 +590,30 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
 
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted, _ = flatten_state_dict({k: state[k] for k in ("model", "optimizer") if k in state})
-    problems = []
-    for part in ("model", "optimizer"):
-        # the optimizer's per-parameter state only: its hyperparameter keys vary across versions
-        prefix = "model." if part == "model" else "optimizer.state."
+    # the model first: when it differs, the optimizer's differences only repeat it. Of the
+    # optimizer, its per-parameter state only: hyperparameter keys vary across torch versions.
+    for part, prefix in (("model", "model."), ("optimizer", "optimizer.state.")):
         mine = {k for k in wanted if k.startswith(prefix)}
         theirs = {k for k in saved if k.startswith(prefix)}
-        missing, unexpected = sorted(mine - theirs), sorted(theirs - mine)
-        if missing:
-            problems.append(f"{part} keys missing from the checkpoint: {_few(missing)}")
-        if unexpected:
-            problems.append(f"{part} keys in the checkpoint but not here: {_few(unexpected)}")
-        for key in sorted(mine & theirs):
-            value, meta = wanted[key], saved[key]
-            is_tensor = isinstance(value, torch.Tensor)
-            if is_tensor and isinstance(meta, TensorStorageMetadata) and value.shape != meta.size:
-                problems.append(
-                    f"{key}: checkpoint shape {tuple(meta.size)}, here {tuple(value.shape)}"
-                )
-    if problems:
-        raise CheckpointError(
-            f"{path} does not fit this model: "
-            + "; ".join(problems[:6])
-            + ". Build the model (and optimizer) the same way as the run that saved it, or "
-            "start without resuming."
-        )
+        problems = []
+        if mine - theirs:
+            problems.append(f"keys missing from the checkpoint: {_few(sorted(mine - theirs))}")
+        if theirs - mine:
+            problems.append(f"keys in the checkpoint but not here: {_few(sorted(theirs - mine))}")
+        shapes = [
+            f"{key} (checkpoint {tuple(saved[key].size)}, here {tuple(wanted[key].shape)})"  # type: ignore[attr-defined]
+            for key in sorted(mine & theirs)
+            if isinstance(wanted[key], torch.Tensor)
+            and isinstance(saved[key], TensorStorageMetadata)
+            and wanted[key].shape != saved[key].size  # type: ignore[attr-defined]
+        ]
+        if shapes:
+            problems.append(f"other shapes: {_few(shapes)}")
+        if problems:
+            raise CheckpointError(
+                f"{path} does not fit this {part}: {'; '.join(problems)}. Build the model and "
+                "optimizer the same way as the run that saved it, or start without resuming."
+            )
 
 
 def _few(keys: list[str], limit: int = 4) -> str:
