@@ -138,7 +138,7 @@ def test_another_model_is_refused_naming_the_mismatch(tmp_path):
     assert isinstance(error, CheckpointError)
     text = str(error)
     assert (
-        "does not fit this model: other shapes: model.0.bias (checkpoint (16,), here (32,))" in text
+        "does not fit this model: shapes differ: model.0.bias (checkpoint (16,), here (32,))" in text
     )
     assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in text
     assert "Build the model" in text

@@ -586,7 +586,6 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
     """Missing or unexpected keys and shape mismatches of model and optimizer, named, or nothing."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     wanted, _ = flatten_state_dict({k: state[k] for k in ("model", "optimizer") if k in state})
@@ -601,19 +600,27 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
         if theirs - mine:
             problems.append(f"keys in the checkpoint but not here: {_few(sorted(theirs - mine))}")
         shapes = [
-            f"{key} (checkpoint {tuple(saved[key].size)}, here {tuple(wanted[key].shape)})"  # type: ignore[attr-defined]
+            f"{key} (checkpoint {size}, here {shape})"
             for key in sorted(mine & theirs)
-            if isinstance(wanted[key], torch.Tensor)
-            and isinstance(saved[key], TensorStorageMetadata)
-            and wanted[key].shape != saved[key].size  # type: ignore[attr-defined]
+            for size, shape in [_shapes(saved[key], wanted[key])]
+            if size != shape
         ]
         if shapes:
-            problems.append(f"other shapes: {_few(shapes)}")
+            problems.append(f"shapes differ: {_few(shapes)}")
         if problems:
             raise CheckpointError(
                 f"{path} does not fit this {part}: {'; '.join(problems)}. Build the model and "
                 "optimizer the same way as the run that saved it, or start without resuming."
             )
+
+
+def _shapes(saved: Any, value: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(saved shape, our shape) of a tensor entry; (None, None) for other values."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(saved, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+        return tuple(saved.size), tuple(value.shape)
+    return None, None
 
 
 def _few(keys: list[str], limit: int = 4) -> str:

@@ -66,7 +66,9 @@ class TrainConfig:
 def run_worker(config: TrainConfig) -> dict[str, Any]:
     """Train on this rank (launched by torch.distributed's elastic agent); return its metrics."""
     if torch.cuda.is_available():
+        # the same seed gives the same bits, which exact resume (--resume) relies on
         torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     else:
         # each CPU rank gets its share of the cores instead of all ranks fighting over all of them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
