@@ -58,6 +58,27 @@ def test_loading_keeps_every_tensor_a_graph_would_read(tmp_path):
     assert same(job.tensors(), expected)
 
 
+def test_a_fresh_optimizer_gets_its_state_without_losing_its_lr_tensor(tmp_path):
+    job = Job()
+    job.optimizer.param_groups[0]["lr"] = torch.tensor(0.01)
+    job.train(3)
+    job.save(tmp_path, 3)
+    expected = [t.clone() for t in job.tensors()]
+    fresh = Job()  # has never stepped: no optimizer state yet
+    lr = fresh.optimizer.param_groups[0]["lr"] = torch.tensor(0.02)
+    params = [p.detach().clone() for p in fresh.model.parameters()]
+    assert not fresh.optimizer.state
+    ddpgraph.save_checkpoint(
+        tmp_path / "fresh", step=0, model=fresh.model, optimizer=fresh.optimizer
+    )
+    assert same([p.detach() for p in fresh.model.parameters()], params)  # zero LR, zero grads
+    assert fresh.optimizer.param_groups[0]["lr"] is lr and torch.equal(lr, torch.tensor(0.02))
+    assert all(p.grad is None for p in fresh.model.parameters())
+    fresh.load(tmp_path)
+    assert fresh.optimizer.param_groups[0]["lr"] is lr
+    assert same(fresh.tensors(), expected)
+
+
 def test_rng_states_and_python_random_are_restored(tmp_path):
     job = Job()
     job.train(1)
@@ -138,7 +159,8 @@ def test_another_model_is_refused_naming_the_mismatch(tmp_path):
     assert isinstance(error, CheckpointError)
     text = str(error)
     assert (
-        "does not fit this model: shapes differ: model.0.bias (checkpoint (16,), here (32,))" in text
+        "does not fit this model: shapes differ: model.0.bias (checkpoint (16,), here (32,))"
+        in text
     )
     assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in text
     assert "Build the model" in text

@@ -205,6 +205,8 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
 
     assert parts.model is not None
     optimizers = () if parts.optimizer is None else (parts.optimizer,)
+    if parts.optimizer is not None:
+        _create_optimizer_state(parts.optimizer)
     model_state, optimizer_state = get_state_dict(parts.model, optimizers)
     state: dict[str, Any] = {"model": model_state}
     if parts.optimizer is not None:
@@ -217,6 +219,38 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
     if parts.loader is not None:
         state["loader"] = {f"rank{rank}": parts.loader.state_dict()}
     return state
+
+
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet its state tensors, to be saved or loaded into.
+
+    torch's ``get_state_dict`` does this itself with one step of zero gradients at LR 0, but it
+    sets a tensor LR to a new *CPU* tensor for that step, which a graph-safe optimizer on CUDA
+    (LR on the device, fused or capturable kernels) may refuse. Here the LR tensor is zeroed in
+    place instead. The parameters do not change: the gradients and the LR are zero.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return  # as torch's rule: gradients mean a step is under way; leave the optimizer be
+    saved = []
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        saved.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+        if isinstance(lr, torch.Tensor):
+            lr.zero_()
+        else:
+            group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved):
+        if isinstance(lr, torch.Tensor):
+            group["lr"].copy_(lr)
+        else:
+            group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _rng_state() -> dict[str, Any]:
