@@ -210,15 +210,45 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
     model_state, optimizer_state = get_state_dict(parts.model, optimizers)
     state: dict[str, Any] = {"model": model_state}
     if parts.optimizer is not None:
-        state["optimizer"] = optimizer_state
+        # hyperparameters as one value: whether "lr" is a float or a tensor must not matter
+        groups = _Opaque(optimizer_state["param_groups"])
+        state["optimizer"] = {**optimizer_state, "param_groups": groups}
     if parts.scheduler is not None:
-        state["scheduler"] = parts.scheduler.state_dict()
+        # its _last_lr holds floats until the first step with a tensor LR, tensors after it
+        state["scheduler"] = _Opaque(parts.scheduler.state_dict())
     if parts.train_step is not None:
-        state["train_step"] = {"steps": parts.train_step.report().steps}
+        state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
     state["rng"] = {f"rank{rank}": _rng_state()}
     if parts.loader is not None:
-        state["loader"] = {f"rank{rank}": parts.loader.state_dict()}
+        state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
     return state
+
+
+class _Opaque:
+    """A value DCP stores whole (pickled) instead of flattening it key by key.
+
+    DCP loads a flattened entry only where the live object has the same structure; the
+    scheduler's or a loader's state changes shape during training (a float becomes a tensor, a
+    list grows), which a resumed process has not seen yet. Tensors inside go to the CPU: DCP
+    writes replicated values from rank 0, and a CUDA tensor would load onto rank 0's GPU.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = _on_cpu(value)
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _opened(value: Any) -> Any:
+    return value.value if isinstance(value, _Opaque) else value
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -688,23 +718,23 @@ def _apply(
 
     assert parts.model is not None
     optimizers = () if parts.optimizer is None else (parts.optimizer,)
+    optimizer_state = dict(state.get("optimizer", {}))
+    if optimizer_state:
+        optimizer_state["param_groups"] = _opened(optimizer_state["param_groups"])
     set_state_dict(
-        parts.model,
-        optimizers,
-        model_state_dict=state["model"],
-        optim_state_dict=state.get("optimizer", {}),
+        parts.model, optimizers, model_state_dict=state["model"], optim_state_dict=optimizer_state
     )
     if parts.optimizer is not None:
         _restore_identities(parts.optimizer, before)
     if parts.scheduler is not None:
-        parts.scheduler.load_state_dict(state["scheduler"])
+        parts.scheduler.load_state_dict(_opened(state["scheduler"]))
     if parts.train_step is not None:
         # TrainStep's own in-place load: re-reads the optimizer's LR tensors and replay guard
         own = parts.train_step.state_dict()
-        own["steps"] = int(state["train_step"]["steps"])
+        own["steps"] = int(_opened(state["train_step"])["steps"])
         parts.train_step.load_state_dict(own)
     if parts.loader is not None:
-        parts.loader.load_state_dict(state["loader"][f"rank{rank}"])
+        parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
     _set_rng_state(state["rng"][f"rank{rank}"])
 
 
