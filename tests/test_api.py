@@ -9,12 +9,14 @@ import ddpgraph
 
 PUBLIC = {
     "CaptureError",
+    "CheckpointError",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",
+    "ResumableLoader",
     "Runtime",
     "StepReport",
     "TrainStep",
@@ -27,6 +29,9 @@ PUBLIC = {
     "init",
     "pad_batch",
     "prefetch",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "shutdown",
 }
 

@@ -5,6 +5,13 @@ Public names are exactly those in ``__all__`` (pinned by a test); everything els
 
 from __future__ import annotations
 
+from .checkpoint import (
+    CheckpointError,
+    ResumableLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .data import pad_batch, prefetch
 from .errors import (
     CaptureError,
@@ -24,12 +31,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",
+    "ResumableLoader",
     "Runtime",
     "StepReport",
     "TrainStep",
@@ -40,7 +49,10 @@ __all__ = [
     "gather_object",
     "get_runtime",
     "init",
+    "latest_checkpoint",
+    "load_checkpoint",
     "pad_batch",
     "prefetch",
+    "save_checkpoint",
     "shutdown",
 ]

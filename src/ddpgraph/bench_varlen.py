@@ -134,7 +134,9 @@ def run_varlen_mode(
 ) -> dict[str, Any]:
     with _fresh(device):
         base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        feed = _padded(cfg, batches) if mode in ("eager_ddp_padded", "train_step_buckets") else batches
+        feed = (
+            _padded(cfg, batches) if mode in ("eager_ddp_padded", "train_step_buckets") else batches
+        )
         started = time.perf_counter()
         if mode == "train_step_buckets":
             one: Callable[[Any], Any] = _train_step(cfg, device)

@@ -45,17 +45,66 @@ def cli() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("runs/latest"),
     show_default=True,
-    help="Directory for run.json.",
+    help="Directory for run.json (and checkpoints/).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds a collective may wait for a peer (ddpgraph.init's timeout).",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Save a checkpoint every N steps in OUT/checkpoints (the newest 2 are kept).",
+)
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in OUT.")
+@click.option(
+    "--stop-after",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after N steps with a checkpoint, as if interrupted; continue with --resume.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Restart all workers up to K times when one fails (torchrun's option); they resume "
+    "from the newest checkpoint.",
 )
 def train(
-    model: str, steps: int, batch_size: int, lr: float, nproc: int | None, seed: int, out: Path
+    model: str,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    nproc: int | None,
+    seed: int,
+    out: Path,
+    timeout: float,
+    checkpoint_every: int | None,
+    resume: bool,
+    stop_after: int | None,
+    max_restarts: int,
 ) -> None:
     """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
     from .demo.launch import launch_training
     from .demo.train import TrainConfig
 
     config = TrainConfig(
-        model=model, steps=steps, batch_size=batch_size, lr=lr, seed=seed, out=str(out)
+        model=model,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        out=str(out),
+        timeout=timeout,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        stop_after=stop_after,
+        max_restarts=max_restarts,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
 
