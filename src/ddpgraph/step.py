@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import watchdog
 from ._batch import Batch, Signature, describe, differences, make_batch
 from ._graphs import CapturedGraph, GraphCache, ReplayGuard
 from ._log import get_logger
@@ -282,6 +283,31 @@ class TrainStep:
     def __call__(self, *args: Any) -> torch.Tensor:
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
+        loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
+        return loss
+
+    def _run_watched(self, phase: str, run: Callable[[Batch], Any], batch: Batch) -> Any:
+        """``run(batch)`` as a watched call: a hang in it becomes the watchdog's verdict."""
+        wd = watchdog.active()
+        if wd is None:
+            return run(batch)
+        wd.enter(phase, self._report.steps)
+        try:
+            result = run(batch)
+        except BaseException as exc:
+            wd.leave()
+            wd.on_error(exc)
+            raise
+        wd.leave()
+        return result
+
+    def _watch_phase(self) -> str:
+        """The watchdog's name for this call (its heartbeat says where each rank is)."""
+        if self._phase is Phase.WARMUP:
+            return "capture" if self._report.eager_steps >= self._warmup else "warmup"
+        return "replay" if self._phase is Phase.GRAPHED else "eager"
+
+    def _step(self, batch: Batch) -> torch.Tensor:
         if self._phase is Phase.WARMUP and self._report.eager_steps >= self._warmup:
             return self._first_capture(batch)
         if self._phase is Phase.GRAPHED:
@@ -302,6 +328,9 @@ class TrainStep:
         """
         batch = make_batch(args, min_positional=1)
         self._report.evaluations += 1
+        return self._run_watched("eval", self._evaluate, batch)
+
+    def _evaluate(self, batch: Batch) -> Any:
         key = ("eval", batch.signature)
         captured = self._cache.get(key) if self._cache is not None else None
         with self._eval_mode():
@@ -310,7 +339,9 @@ class TrainStep:
             if captured is not None:
                 self._check_guard()
                 self._report.eval_replays += 1
-                return captured.replay(batch.tensors)
+                output = captured.replay(batch.tensors)
+                self._watch_replay()
+                return output
             with self._on_side_stream():
                 return self._forward_eval(batch.with_tensors(self._to_device_all(batch)))
 
@@ -558,7 +589,14 @@ class TrainStep:
         self._optimizer_plan.sync_lr()
         loss: torch.Tensor = captured.replay(batch.tensors)
         self._report.replays += 1
+        self._watch_replay()
         return loss
+
+    def _watch_replay(self) -> None:
+        # a graph's collectives are invisible to NCCL's watchdog: this event is what shows a hang
+        wd = watchdog.active()
+        if wd is not None:
+            wd.after_replay(torch.cuda.current_stream(self.device), self._report.steps)
 
     def _check_guard(self) -> None:
         if self._cache is not None and self._cache.guard is not None:
