@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import ddpgraph
 
@@ -93,14 +93,16 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         scheduler=scheduler,
         channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
     )
-    batches = ResumableLoader(_loader(config, rt, split="train"))
+    loader = _loader(config, rt, split="train")
+    # prefetch inside, so that the loader counts what the step consumed, not what was copied ahead
+    batches = ResumableLoader(ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader))
     losses = _LossLog(rt.device)
     curve: list[float] = []
     with _Progress(rt.is_main, config.steps) as progress:
         start = _resume(config, step, batches, progress)
         started = time.perf_counter()
         for i, (x, y) in zip(range(start, config.last_step), _forever(batches)):
-            losses.add(step(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+            losses.add(step(x, y))  # already on the device (prefetch), or CPU tensors on CPU
             scheduler.step()
             done = i + 1
             if done % LOG_EVERY == 0 or done == config.last_step:
@@ -130,7 +132,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         "samples_seen": trained * config.batch_size,
         "final_loss": curve[-1] if curve else float("nan"),
         "loss_curve": curve,
-        "accuracy": _evaluate(step.model, config, rt),
+        "accuracy": _evaluate(step, config, rt),
         "steps_per_s": trained / seconds if trained else 0.0,
         "time_to_first_replay_s": report.time_to_first_replay,
         "fallbacks": report.fallbacks,
@@ -190,16 +192,33 @@ def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoa
         seed=config.seed,
         drop_last=split == "train",  # equal batch shapes on every rank: one graph serves all
     )
+    if split == "train":
+        # Batch-level sampling: TensorDataset gathers a whole batch with one indexing call, where
+        # per-sample __getitem__ plus collate cost ~0.5 ms a batch, as long as a graphed step.
+        # The same DistributedSampler order, so the same batches.
+        return DataLoader(
+            data,
+            sampler=BatchSampler(sampler, config.batch_size, drop_last=True),
+            batch_size=None,
+            pin_memory=False,  # prefetch pins the whole batch in one copy
+            generator=torch.Generator().manual_seed(config.seed),
+        )
     return DataLoader(
         data,
         batch_size=config.batch_size,
         sampler=sampler,
-        drop_last=split == "train",
+        drop_last=False,
         pin_memory=rt.device.type == "cuda",
         # its own generator: making an iterator draws a seed, and drawn from the global RNG it
         # would shift every later random number by when the (resumed) run started an epoch
         generator=torch.Generator().manual_seed(config.seed),
     )
+
+
+def _sampler_of(loader: DataLoader) -> Any:
+    """The DistributedSampler (its epoch sets the shuffle), also under a BatchSampler."""
+    sampler: Any = loader.sampler
+    return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
 
 
 def _forever(batches: ResumableLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -227,16 +246,15 @@ class _LossLog:
         return self._last
 
 
-@torch.no_grad()
-def _evaluate(model: nn.Module, config: TrainConfig, rt: ddpgraph.Runtime) -> float:
-    model.eval()
-    correct = total = 0
-    for x, y in _loader(config, rt, split="eval"):
-        logits = model(x.to(rt.device))
-        correct += int((logits.argmax(dim=1).cpu() == y).sum())
+def _evaluate(step: TrainStep, config: TrainConfig, rt: ddpgraph.Runtime) -> float:
+    """Accuracy on this rank's share of the eval split, through the step's (graphed) evaluate."""
+    correct = torch.zeros((), dtype=torch.long, device=rt.device)
+    total = 0
+    for x, y in ddpgraph.prefetch(_loader(config, rt, split="eval"), rt.device):
+        logits = step.evaluate(x)  # graph-owned: use it before the next evaluate
+        correct += (logits.argmax(dim=1) == y).sum()
         total += len(y)
-    model.train()
-    return correct / max(total, 1)
+    return int(correct) / max(total, 1)
 
 
 def _gather(metrics: dict[str, Any]) -> list[dict[str, Any]]:
