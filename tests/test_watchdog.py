@@ -352,3 +352,21 @@ def test_the_hot_path_costs_microseconds():
     finally:
         dog.stop()
     assert per_call < 20e-6, per_call  # ~0.5 us measured; generous for a loaded CI machine
+
+
+@pytest.mark.timeout(120)
+def test_the_overhead_benchmark_runs_quick_on_cpu(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "watchdog_overhead", REPO / "benchmarks" / "watchdog_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "overhead.json"
+    module.main(["--quick", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["rounds"] == 2 and results["step_ms_on"]["median"] > 0
+    assert results["step_ms_off"]["median"] > 0 and "overhead_pct" in results
+    assert watchdog.active() is None  # the benchmark shut down after itself
