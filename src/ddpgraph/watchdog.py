@@ -266,9 +266,11 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=_STORE_CALL_S + 2 * _TICK_S)
-        for key in sorted(self._keys):
-            with contextlib.suppress(Exception):
+        try:
+            for key in sorted(self._keys):
                 self._store.delete_key(key)
+        except Exception:
+            pass  # the store is gone (or stopped): one failed call says so, no need for more
         self._keys.clear()
 
     @property
