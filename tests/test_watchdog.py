@@ -352,3 +352,49 @@ def test_the_hot_path_costs_microseconds():
     finally:
         dog.stop()
     assert per_call < 20e-6, per_call  # ~0.5 us measured; generous for a loaded CI machine
+
+
+@pytest.mark.timeout(120)
+def test_the_overhead_benchmark_runs_quick_on_cpu(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "watchdog_overhead", REPO / "benchmarks" / "watchdog_overhead.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "overhead.json"
+    module.main(["--quick", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert results["rounds"] == 2 and results["step_ms_on"]["median"] > 0
+    assert results["step_ms_off"]["median"] > 0 and "overhead_pct" in results
+    assert watchdog.active() is None  # the benchmark shut down after itself
+
+
+class _NeverDone:
+    """Stands in for the CUDA event of a replay the GPU never finishes (CPU-only CI)."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return False
+
+
+@pytest.mark.timeout(60)
+def test_a_replay_not_complete_after_the_timeout_is_a_hang_naming_its_step(caplog):
+    dog, exits = _dog()
+    event = _NeverDone()
+    try:
+        dog._replay = (event, 41, time.monotonic())  # what after_replay records  # type: ignore[assignment]
+        time.sleep(2.0)
+        with pytest.raises(CollectiveTimeout, match=r"the CUDA graph replay of step 41"):
+            dog.enter("replay", 42)
+    finally:
+        dog.stop()
+    assert event.queries >= 1 and exits == []
+    assert any(
+        "replay of step 41" in r.getMessage() for r in caplog.records if r.levelname == "ERROR"
+    )

@@ -87,6 +87,12 @@ def _base_store(store: dist.Store) -> dist.Store:
     return store
 
 
+def _store_barrier(store: dist.Store, key: str) -> None:
+    store.add(key, 1)
+    while int(store.add(key, 0)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)
+
+
 def watchdog_keys_after_shutdown() -> dict[str, list[str]]:
     """After every rank's shutdown: watchdog threads left here, and (rank 0) watchdog keys left
     in the job's store."""
@@ -100,14 +106,12 @@ def watchdog_keys_after_shutdown() -> dict[str, list[str]]:
         time.sleep(1.5)  # heartbeats written
     ddpgraph.all_gather_object(0)  # and an object collective watched
     before = [k for k in base.list_keys() if "watchdog" in k] if _rank() == 0 else []
+    _store_barrier(base, "test/listed")  # rank 0 has listed before anyone shuts down
     ddpgraph.shutdown()
-    base.add("test/shut-down", 1)
-    while int(base.add("test/shut-down", 0)) < int(os.environ["WORLD_SIZE"]):
-        time.sleep(0.05)
+    _store_barrier(base, "test/shut-down")
     threads = [t.name for t in threading.enumerate() if t.name.startswith("ddpgraph-watchdog")]
     keys = [k for k in base.list_keys() if "watchdog" in k] if _rank() == 0 else []
     base.add("test/read", 1)
-    if _rank() == 0:  # keep the store up until every rank has read it
-        while int(base.add("test/read", 0)) < int(os.environ["WORLD_SIZE"]):
-            time.sleep(0.05)
+    while _rank() == 0 and int(base.add("test/read", 0)) < int(os.environ["WORLD_SIZE"]):
+        time.sleep(0.05)  # rank 0 keeps the store up until every rank is done with it
     return {"threads": threads, "keys": keys, "before": before}

@@ -81,6 +81,8 @@ _PEER_GONE = re.compile(
     re.IGNORECASE,
 )
 
+_NOTE_PREFIX = "ddpgraph watchdog:"
+
 _active: Watchdog | None = None
 
 
@@ -266,9 +268,11 @@ class Watchdog:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=_STORE_CALL_S + 2 * _TICK_S)
-        for key in sorted(self._keys):
-            with contextlib.suppress(Exception):
+        try:
+            for key in sorted(self._keys):
                 self._store.delete_key(key)
+        except Exception:
+            pass  # the store is gone (or stopped): one failed call says so, no need for more
         self._keys.clear()
 
     @property
@@ -285,8 +289,12 @@ class Watchdog:
     def on_error(self, exc: BaseException) -> None:
         """A watched call raised ``exc``: raise the verdict instead if this was the hang, or note
         which peer is gone if a peer's exit broke the call."""
-        if isinstance(exc, CollectiveTimeout) and self._verdict is None:
-            return  # a timeout of its own (e.g. an object collective's timeout=): already named
+        if isinstance(exc, CollectiveTimeout) and (
+            self._verdict is None or str(exc) == self._verdict
+        ):
+            return  # a timeout of its own (an object collective's timeout=), or ours already
+        if any(str(n).startswith(_NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
+            return  # an inner watched call has noted it already
         if self._verdict is None:
             phase, step, site, began, left = self._last
             if left - began >= _TIMEOUT_FRACTION * self.timeout_s:
@@ -308,9 +316,11 @@ class Watchdog:
         """Which ranks stopped beating: read twice, a heartbeat period and more apart."""
         first = self._read_beats()
         if first is None:
-            return f"ddpgraph watchdog: the rendezvous store does not answer; {self._store_host}."
+            return f"{_NOTE_PREFIX} the rendezvous store does not answer; {self._store_host}."
         time.sleep(_HEARTBEAT_S * 2.5)
-        second = self._read_beats() or {}
+        second = self._read_beats()
+        if second is None:
+            return f"{_NOTE_PREFIX} the rendezvous store stopped answering; {self._store_host}."
         gone = [
             r
             for r in range(self.world_size)
@@ -324,7 +334,7 @@ class Watchdog:
             f"rank {r}: " + (b.describe(now) if (b := first.get(r)) else "no heartbeat")
             for r in gone
         )
-        return f"ddpgraph watchdog: rank(s) {gone} stopped sending heartbeats ({where})."
+        return f"{_NOTE_PREFIX} rank(s) {gone} stopped sending heartbeats ({where})."
 
     # ---- the thread ----
 
