@@ -218,7 +218,7 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
         state["scheduler"] = _Opaque(parts.scheduler.state_dict())
     if parts.train_step is not None:
         state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
-    state["rng"] = {f"rank{rank}": _rng_state()}
+    state["rng"] = {f"rank{rank}": _Opaque(_rng_state())}  # whole: with or without CUDA
     if parts.loader is not None:
         state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
     return state
@@ -307,20 +307,22 @@ def _group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-_async_group: Any = None
+_async_group: tuple[Any, Any] = (None, None)  # (default group, its gloo group for async saves)
 _pending: Future[Path] | None = None
 
 
 def _checkpoint_group() -> Any:
-    """A gloo group for async saves, made once (a collective: every rank saves together).
+    """A gloo group for async saves, made once per process group (a collective: every rank
+    saves together).
 
     DCP's background thread runs collectives; on the training group they would interleave with
     the training's own and hang or corrupt both. gloo because async_save needs a CPU backend.
     """
     global _async_group
-    if _async_group is None:
-        _async_group = dist.new_group(backend="gloo")
-    return _async_group
+    world = dist.group.WORLD
+    if _async_group[0] is not world:  # first save, or a new init() since the last
+        _async_group = (world, dist.new_group(backend="gloo"))
+    return _async_group[1]
 
 
 @contextlib.contextmanager
@@ -753,7 +755,7 @@ def _apply(
         parts.train_step.load_state_dict(own)
     if parts.loader is not None:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
-    _set_rng_state(state["rng"][f"rank{rank}"])
+    _set_rng_state(_opened(state["rng"][f"rank{rank}"]))
 
 
 def _restore_identities(
