@@ -19,13 +19,7 @@ class Job:
 
     def __init__(self, seed: int = 0, width: int = 16) -> None:
         torch.manual_seed(seed)
-        self.model = nn.Sequential(
-            nn.Linear(8, width),
-            nn.BatchNorm1d(width),
-            nn.ReLU(),
-            nn.Dropout(0.2),
-            nn.Linear(width, 4),
-        )
+        self.model = _bare_model(width)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
         self.step = TrainStep(
@@ -158,11 +152,26 @@ def _die(*args: Any, **kwargs: Any) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def load_expecting_error(directory: str, width: int = 16) -> BaseException | None:
-    """Load into a job whose model may differ (``width``); return the error, if any."""
-    job = Job(width=width)
+def load_expecting_error(
+    directory: str, width: int = 16, only_rank: int | None = None
+) -> BaseException | None:
+    """Load into a job whose model may differ (``width``), on every rank or on ``only_rank``.
+
+    DDP itself refuses parameters that differ across ranks, so the one-rank case loads a bare
+    model (``model=``), as an application with its own replication might.
+    """
     try:
-        job.load(directory)
+        if only_rank is None:
+            Job(width=width).load(directory)
+        else:
+            rank = torch.distributed.get_rank()
+            load_checkpoint(directory, model=_bare_model(width if rank == only_rank else 16))
     except Exception as exc:
         return exc
     return None
+
+
+def _bare_model(width: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4)
+    )

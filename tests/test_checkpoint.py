@@ -98,6 +98,10 @@ def test_model_only_and_optimizer_without_train_step(tmp_path):
     job.train(2)
     state = ddpgraph.load_checkpoint(tmp_path, model=job.model, optimizer=job.optimizer)
     assert state["step"] == 2 and same(job.tensors(), expected)
+    job.train(1)
+    ddpgraph.load_checkpoint(tmp_path, model=job.model)  # the model alone, optimizer left as is
+    n = len(job.model.state_dict())
+    assert same(job.tensors()[:n], expected[:n]) and not same(job.tensors(), expected)
 
 
 def test_keep_last_prunes_and_latest_names_the_newest(tmp_path):
@@ -238,10 +242,14 @@ def test_another_world_size_is_refused(tmp_path):
 
 def test_every_rank_refuses_another_model(tmp_path):
     run_distributed(workers.save_at_then_finish, 2, args=(str(tmp_path), 2, 3), timeout=90)
-    errors = run_distributed(workers.load_expecting_error, 2, args=(str(tmp_path), 32), timeout=90)
-    assert all(isinstance(e, CheckpointError) for e in errors), errors
-    assert len({str(e) for e in errors}) == 1
-    assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in str(errors[0])
+    for only_rank, ranks in ((None, "[0, 1]"), (1, "[1]")):  # a model differing on one rank too
+        errors = run_distributed(
+            workers.load_expecting_error, 2, args=(str(tmp_path), 32, only_rank), timeout=90
+        )
+        assert all(isinstance(e, CheckpointError) for e in errors), errors
+        assert len({str(e) for e in errors}) == 1
+        assert str(errors[0]).startswith(f"on rank(s) {ranks}: ")
+        assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in str(errors[0])
 
 
 @pytest.mark.parametrize(("victim", "where"), [(1, "write"), (0, "commit")])

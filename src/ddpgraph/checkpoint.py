@@ -218,7 +218,7 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
         state["scheduler"] = _Opaque(parts.scheduler.state_dict())
     if parts.train_step is not None:
         state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
-    state["rng"] = {f"rank{rank}": _rng_state()}
+    state["rng"] = {f"rank{rank}": _Opaque(_rng_state())}  # whole: with or without CUDA
     if parts.loader is not None:
         state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
     return state
@@ -307,20 +307,22 @@ def _group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-_async_group: Any = None
+_async_group: tuple[Any, Any] = (None, None)  # (default group, its gloo group for async saves)
 _pending: Future[Path] | None = None
 
 
 def _checkpoint_group() -> Any:
-    """A gloo group for async saves, made once (a collective: every rank saves together).
+    """A gloo group for async saves, made once per process group (a collective: every rank
+    saves together).
 
     DCP's background thread runs collectives; on the training group they would interleave with
     the training's own and hang or corrupt both. gloo because async_save needs a CPU backend.
     """
     global _async_group
-    if _async_group is None:
-        _async_group = dist.new_group(backend="gloo")
-    return _async_group
+    world = dist.group.WORLD
+    if _async_group[0] is not world:  # first save, or a new init() since the last
+        _async_group = (world, dist.new_group(backend="gloo"))
+    return _async_group[1]
 
 
 @contextlib.contextmanager
@@ -614,7 +616,7 @@ def load_checkpoint(
         )
     state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
     before = _tensor_identities(parts.optimizer)
-    _check_fits(path, state)
+    _raise_on_any_rank(_misfit(path, state), distributed)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     _apply(parts, state, rank, before)
@@ -646,8 +648,23 @@ def _agreed_latest(directory: str | os.PathLike[str], distributed: bool) -> Path
     return path
 
 
-def _check_fits(path: Path, state: dict[str, Any]) -> None:
-    """Missing or unexpected keys and shape mismatches of model and optimizer, named, or nothing."""
+def _raise_on_any_rank(problem: str | None, distributed: bool) -> None:
+    """Raise ``problem`` on every rank when any rank has one (the others would wait in DCP)."""
+    problems = {0: problem}
+    if distributed:
+        from .objects import all_gather_object
+
+        problems = dict(enumerate(all_gather_object(problem)))
+    found = {rank: text for rank, text in problems.items() if text is not None}
+    if not found:
+        return
+    first = min(found)
+    ranks = "" if len(problems) == 1 else f"on rank(s) {sorted(found)}: "
+    raise CheckpointError(ranks + str(found[first]))
+
+
+def _misfit(path: Path, state: dict[str, Any]) -> str | None:
+    """Missing or unexpected keys and shape mismatches of model and optimizer, named, or None."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
@@ -656,6 +673,8 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
     # the model first: when it differs, the optimizer's differences only repeat it. Of the
     # optimizer, its per-parameter state only: hyperparameter keys vary across torch versions.
     for part, prefix in (("model", "model."), ("optimizer", "optimizer.state.")):
+        if part not in state:
+            continue  # not asked for: a model can be loaded without its optimizer
         mine = {k for k in wanted if k.startswith(prefix)}
         theirs = {k for k in saved if k.startswith(prefix)}
         problems = []
@@ -672,10 +691,11 @@ def _check_fits(path: Path, state: dict[str, Any]) -> None:
         if shapes:
             problems.append(f"shapes differ: {_few(shapes)}")
         if problems:
-            raise CheckpointError(
+            return (
                 f"{path} does not fit this {part}: {'; '.join(problems)}. Build the model and "
                 "optimizer the same way as the run that saved it, or start without resuming."
             )
+    return None
 
 
 def _shapes(saved: Any, value: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
@@ -735,7 +755,7 @@ def _apply(
         parts.train_step.load_state_dict(own)
     if parts.loader is not None:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
-    _set_rng_state(state["rng"][f"rank{rank}"])
+    _set_rng_state(_opened(state["rng"][f"rank{rank}"]))
 
 
 def _restore_identities(
