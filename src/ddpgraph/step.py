@@ -243,7 +243,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.scheduler = scheduler
         self._amp_dtype = torch.bfloat16 if amp == "bf16" else None
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = _capture_stream(self.device) if self.device.type == "cuda" else None
         if channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self._module = model
@@ -714,6 +714,22 @@ class TrainStep:
         return self.model.no_sync()
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, shared by every TrainStep on it.
+
+    cuBLAS keeps a workspace (tens of MiB) per stream for the life of the process: a stream per
+    TrainStep would leave one behind for every TrainStep ever built. Steps on one stream run in
+    the order they are called, as on the default stream.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
+
+
 _EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
 _NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
 
@@ -878,10 +894,17 @@ def _record_host_syncs(fn: Callable[[], Any]) -> _SyncReport:
 
 
 def _user_frame() -> str:
-    """The innermost stack frame outside torch and ddpgraph: the user's line that synced."""
+    """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
+    a library's such as transformers')."""
+    skip = (_TORCH_DIR, _PACKAGE_DIR, os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/ddpgraph/" in path or "warnings.py" in path:
+        if os.path.abspath(frame.filename).startswith(skip):
             continue
         return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "an unknown line"
+
+
+# package directories by path, not by a "/torch/" substring: a virtual environment can be named
+# torch (/opt/torch/.venv/.../transformers would be skipped)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

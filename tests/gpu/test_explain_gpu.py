@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ddpgraph._graphs import _release_rng_from_failed_capture
 from ddpgraph.errors import explain_exception
 
 
@@ -23,6 +24,9 @@ def _capture_error(step: Callable[[], object], stream: torch.cuda.Stream) -> Bas
         with torch.cuda.graph(graph, stream=stream):
             step()
     except RuntimeError as exc:
+        # a failed capture leaves the CUDA generator in capture mode (later randn would raise
+        # "Offset increment outside graph capture"); TrainStep ends it the same way
+        _release_rng_from_failed_capture(stream)
         return exc
     pytest.fail("the capture did not fail")
 
