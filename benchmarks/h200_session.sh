@@ -17,7 +17,7 @@ if has varlen; then
   timeout 200 python -m ddpgraph bench --varlen --repeats 3 --out "$out/varlen-h200.json" 2>&1 | tail -8
 fi
 if has loader; then
-  timeout 240 python benchmarks/loader.py --out "$out/loader-h200.json" 2>&1 | tail -25
+  timeout 240 python benchmarks/loader.py ${LOADER_ARGS:-} --out "$out/loader-h200.json" 2>&1 | tail -25
 fi
 if has watchdog; then
   timeout 120 python benchmarks/watchdog_overhead.py --out "$out/watchdog-overhead-h200.json" 2>&1 | tail -10
