@@ -198,7 +198,7 @@ def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
     assert torch.cuda.memory_reserved() < graphed_reserved
     assert step.mode == "eager"
     step(*batches[0])  # still trains, eagerly
-    del step, run
+    del step, run, batches  # the batches were made after the baseline too
     gc.collect()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() <= allocated
