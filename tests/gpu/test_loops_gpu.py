@@ -187,10 +187,10 @@ def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
     gc.collect()
     torch.cuda.empty_cache()
     allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    batches = make_batches(mlp, 20, batch=256)
+    batches = make_batches(mlp, 20, batch=4096)  # a pool of tens of MiB
     run = train(mlp, sgd, batches, graph="always", on_new_shape="capture")
     step = run["step"]
-    step(*make_batches(mlp, 1, batch=128)[0])  # a second graph in the pool
+    step(*make_batches(mlp, 1, batch=2048)[0])  # a second graph in the pool
     torch.cuda.synchronize()
     graphed_reserved = torch.cuda.memory_reserved()
     step.close()
@@ -201,8 +201,16 @@ def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
     del step, run, batches  # the batches were made after the baseline too
     gc.collect()
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_allocated() <= allocated
-    assert torch.cuda.memory_reserved() <= reserved
+    # what stays is process-lifetime state of torch's (the CUDA generator's graph-safe seed and
+    # offset tensors, made at the first capture): bytes, not the graphs' megabytes
+    numbers = {
+        "graphed_reserved": graphed_reserved,
+        "reserved": (reserved, torch.cuda.memory_reserved()),
+        "allocated": (allocated, torch.cuda.memory_allocated()),
+    }
+    assert torch.cuda.memory_allocated() - allocated <= 2**20, numbers
+    assert torch.cuda.memory_reserved() - reserved <= 2 * 2**20, numbers
+    assert graphed_reserved - reserved > 4 * 2**20, numbers  # the test measures something
 
 
 def test_an_eval_of_a_new_shape_between_replays_leaves_training_bitwise(rt):
