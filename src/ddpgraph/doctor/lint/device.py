@@ -158,16 +158,23 @@ def _report_noop_bindings(mod: Module, report: Report) -> None:
     for node in ast.walk(mod.tree):
         if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
             continue
-        if mod.call_name(node.value) in _SCOPED_BINDERS:
-            call = node.value
-            report.finding(
-                call,
-                "DG101",
-                f"{text(call)} makes a context manager and drops it: the device is not bound "
-                "(torch.cuda.device only switches devices inside a `with` block)",
-                f"call torch.cuda.set_device({text(call.args[0]) if call.args else 'local_rank'}) "
-                "instead, or put the work under `with " + text(call) + ":`",
-            )
+        call = node.value
+        name = mod.call_name(call)
+        if name not in _SCOPED_BINDERS:
+            continue
+        index = text(call.args[0]) if call.args else "local_rank"
+        setter = (
+            f"torch.accelerator.set_device_index({index})"
+            if name == "torch.accelerator.device_index"
+            else f"torch.cuda.set_device({index})"
+        )
+        report.finding(
+            call,
+            "DG101",
+            f"{text(call)} makes a context manager and drops it: the device is not bound "
+            f"({name} switches devices only inside a `with` block)",
+            f"call {setter} instead, or put the work under `with {text(call)}:`",
+        )
 
 
 def _entry_roots(mod: Module) -> Iterator[Sequence[ast.stmt]]:
@@ -416,7 +423,7 @@ def _trigger(mod: Module, call: ast.Call, name: str, *, bare_cuda: bool) -> str 
     if bare_cuda and (
         name in ("DDP", "DistributedDataParallel") or name.endswith(".DistributedDataParallel")
     ):
-        return "DistributedDataParallel(...) of a model moved with a bare .cuda()"
+        return "DistributedDataParallel(...) in a file that puts models on the default device"
     return None
 
 

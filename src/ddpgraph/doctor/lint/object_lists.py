@@ -174,6 +174,12 @@ def _count(mod: Module, expr: ast.expr, at: ast.AST, depth: int) -> _Size:
         return _Size(shown)
     if isinstance(expr, ast.Call):
         return _call_count(mod, expr, at, depth)
+    if isinstance(expr, ast.IfExp):  # `group.size() if group is not None else world_size()`
+        sizes = [_count(mod, branch, at, depth + 1) for branch in (expr.body, expr.orelse)]
+        if all(size.group is not None and not size.offset for size in sizes):
+            named = [size.group for size in sizes if size.group not in (_DEFAULT, _AMBIGUOUS)]
+            return _Size(shown, group=named[0] if named else _AMBIGUOUS)
+        return _Size(shown)
     if isinstance(expr, ast.BinOp) and isinstance(expr.op, (ast.Add, ast.Sub)):
         sign = 1 if isinstance(expr.op, ast.Add) else -1
         left, right = int_value(mod, expr.left), int_value(mod, expr.right)
@@ -199,7 +205,9 @@ def _count(mod: Module, expr: ast.expr, at: ast.AST, depth: int) -> _Size:
                 return found
         if "world" in expr.id.lower():
             return _Size(shown, group=_AMBIGUOUS)
-    if isinstance(expr, ast.Attribute) and "world" in expr.attr.lower():
+    if isinstance(expr, ast.Attribute) and (
+        "world" in expr.attr.lower() or expr.attr == "num_processes"
+    ):
         return _Size(shown, group=_AMBIGUOUS)
     return _Size(shown)
 
@@ -207,13 +215,17 @@ def _count(mod: Module, expr: ast.expr, at: ast.AST, depth: int) -> _Size:
 def _call_count(mod: Module, call: ast.Call, at: ast.AST, depth: int) -> _Size:
     shown = text(call)
     name = mod.call_name(call) or dotted(call.func) or ""
-    if name.endswith("get_world_size"):
-        group = arg(call, 0, "group")
-        if name.startswith("torch.distributed."):
-            return _Size(shown, group=_group_text(group))
-        # a project's own wrapper: the default group unless told otherwise, but not provably
+    last = name.rpartition(".")[2]
+    group = arg(call, 0, "group")
+    if last == "get_world_size" and group is None:
+        # no group given: torch's, or a project's wrapper (detectron2's comm, composer's dist)
+        # that can only mean the default group's size
+        return _Size(shown, group=_DEFAULT)
+    if last.endswith(("world_size", "pg_size", "group_size")):
         return _Size(shown, group=_AMBIGUOUS if group is None else _group_text(group))
-    if isinstance(call.func, ast.Attribute) and call.func.attr == "size" and not call.args:
+    if last in ("get_global_size", "num_processes"):
+        return _Size(shown, group=_AMBIGUOUS)
+    if isinstance(call.func, ast.Attribute) and last == "size" and not call.args:
         return _Size(shown, group=_group_text(call.func.value))  # ProcessGroup.size()
     if name == "len" and len(call.args) == 1:
         return _collection_size(mod, call.args[0], at, depth + 1)

@@ -138,22 +138,42 @@ def _static_inputs(mod: Module, capture: Capture) -> set[str]:
         (n for n in walk_local(capture.node) if isinstance(n, ast.Name)),
         key=lambda n: (n.lineno, n.col_offset),
     )
+    as_data: set[str] = set()
     for name in names:
         if isinstance(name.ctx, ast.Store):
             written.add(name.id)
         elif name.id not in written:
             read.add(name.id)
-    # Modules, losses and functions are called, not fed: only data can be a static input.
+            if not _used_as_key(mod, name):
+                as_data.add(name.id)
+    # Modules, losses and functions are called, not fed: only data can be a static input; a
+    # dict key (``graphs[mode]``) or a str/number constant is read on the host while capturing.
     called = {text(c.func) for c in calls(capture.node)}
     skip = called | {m.target for m in mod.ddp + mod.optimizers} | set(mod.aliases)
     skip |= set(mod.functions) | {capture.graph or ""}
-    return {
-        name
-        for name in read - skip
-        if last_assignment(mod, name, capture.node) is not None
-        or _loop_binds(mod, capture.node, name)
-        or name in _parameters(mod.scope_of(capture.node))
-    }
+    inputs = set()
+    for name in (read & as_data) - skip:
+        value = last_assignment(mod, name, capture.node)
+        if value is not None and _host_constant(value):
+            continue
+        if (
+            value is not None
+            or _loop_binds(mod, capture.node, name)
+            or name in _parameters(mod.scope_of(capture.node))
+        ):
+            inputs.add(name)
+    return inputs
+
+
+def _used_as_key(mod: Module, name: ast.Name) -> bool:
+    parent = mod.parents.get(name)
+    return isinstance(parent, ast.Subscript) and parent.slice is name
+
+
+def _host_constant(value: ast.expr) -> bool:
+    if isinstance(value, ast.IfExp):
+        return _host_constant(value.body) and _host_constant(value.orelse)
+    return isinstance(value, ast.Constant) and isinstance(value.value, (str, int, float, bool))
 
 
 def _parameters(scope: ast.AST) -> set[str]:

@@ -81,7 +81,7 @@ def _check(mod: Module, report: Report, capture: Capture, target: str) -> None:
 def _untimed_context(mod: Module, node: ast.AST, names: frozenset[str]) -> bool:
     return any(
         isinstance(a, (ast.With, ast.AsyncWith)) and _untimed_with(mod, a, names)
-        for a in mod.ancestors(node)
+        for a in (node, *mod.ancestors(node))
     )
 
 
