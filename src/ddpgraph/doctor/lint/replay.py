@@ -151,17 +151,17 @@ def _static_inputs(mod: Module, capture: Capture) -> set[str]:
     called = {text(c.func) for c in calls(capture.node)}
     skip = called | {m.target for m in mod.ddp + mod.optimizers} | set(mod.aliases)
     skip |= set(mod.functions) | {capture.graph or ""}
-    inputs = set()
-    for name in (read & as_data) - skip:
-        value = last_assignment(mod, name, capture.node)
+    inputs: set[str] = set()
+    for candidate in (read & as_data) - skip:
+        value = last_assignment(mod, candidate, capture.node)
         if value is not None and _host_constant(value):
             continue
         if (
             value is not None
-            or _loop_binds(mod, capture.node, name)
-            or name in _parameters(mod.scope_of(capture.node))
+            or _loop_binds(mod, capture.node, candidate)
+            or candidate in _parameters(mod.scope_of(capture.node))
         ):
-            inputs.add(name)
+            inputs.add(candidate)
     return inputs
 
 
