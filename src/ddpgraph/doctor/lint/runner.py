@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 import tokenize
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -58,7 +59,9 @@ def _parse(source: str, filename: str) -> ast.Module:
             "(a binary or corrupted file)",
         )
     try:
-        return ast.parse(source, filename=filename)
+        with warnings.catch_warnings():  # "invalid escape sequence" is the file's business
+            warnings.simplefilter("ignore")
+            return ast.parse(source, filename=filename)
     except SyntaxError as exc:
         raise LintError(
             filename, f"cannot parse: {exc.msg} at line {exc.lineno}, column {exc.offset}"
