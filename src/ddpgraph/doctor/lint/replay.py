@@ -105,12 +105,13 @@ def check_static_rebound(mod: Module, report: Report) -> None:
             continue
         reported: set[int] = set()
         for replay in _replays(mod, capture):
-            region, _ = _replay_region(mod, replay)
+            region, after = _replay_region(mod, replay)
             for name, node in _rebindings(mod, region, inputs):
                 if (
                     id(node) in reported
                     or _sets_up(mod, node, capture.node)
                     or exclusive(mod, node, replay)
+                    or (after and not _between(node, capture.node, replay))
                 ):
                     continue
                 reported.add(id(node))
@@ -122,6 +123,13 @@ def check_static_rebound(mod: Module, report: Report) -> None:
                     "the tensor (or value) it saw at capture, so every replay trains on the same data",
                     f"keep the static tensor and copy into it: {name}.copy_(new_value)",
                 )
+
+
+def _between(node: ast.AST, capture: ast.With, replay: ast.Call) -> bool:
+    """Straight-line code (no loop around the replay): only a re-binding after the capture and
+    before the replay changes what the replay should have read."""
+    line = getattr(node, "lineno", 0)
+    return (capture.end_lineno or capture.lineno) < line < replay.lineno
 
 
 def _sets_up(mod: Module, assignment: ast.AST, capture: ast.With) -> bool:
