@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ast
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import IntEnum
 
 from .astutil import Module, arg, dotted, kwarg, text
@@ -94,6 +94,21 @@ _INERT_ROOTS = frozenset(
         "matplotlib",
     }
 )
+# Words in the name of another module's function that may bind the device or make the group.
+_SETUP_WORDS = (
+    "dist",
+    "setup",
+    "set_up",
+    "initialize",
+    "device",
+    "launch",
+    "rank",
+    "gpu",
+    "cuda",
+    "parallel",
+    "accelerat",
+    "process_group",
+)
 _FIX = (
     "call ddpgraph.init(), or torch.cuda.set_device(local_rank) (any accelerator: "
     "torch.accelerator.set_device_index(local_rank)) with init_process_group('nccl', "
@@ -115,13 +130,40 @@ class Group(IntEnum):
 
 @dataclass(frozen=True)
 class _State:
-    bound: Bound = Bound.NO
-    group: Group = Group.NONE
+    """The (binding, group) pair of every path that reaches a point: a branch that binds and
+    makes the group keeps them together, so ``if distributed: set_device(); init()`` is safe."""
+
+    paths: frozenset[tuple[Bound, Group]] = frozenset({(Bound.NO, Group.NONE)})
+
+    @classmethod
+    def of(cls, bound: Bound, group: Group) -> _State:
+        return cls(frozenset({(bound, group)}))
 
     def merge(self, other: _State) -> _State:
-        bound = self.bound if self.bound == other.bound else Bound.MAYBE
-        group = self.group if self.group == other.group else Group.MAYBE
-        return _State(bound, group)
+        return _State(self.paths | other.paths)
+
+    def bind(self) -> _State:
+        return _State(frozenset((Bound.YES, group) for _, group in self.paths))
+
+    def make_group(self) -> _State:
+        return _State(frozenset((bound, Group.NCCL) for bound, _ in self.paths))
+
+    def maybe(self) -> _State:
+        """After another module's function: it may have bound the device or made the group."""
+        return _State(
+            frozenset(
+                (
+                    Bound.MAYBE if bound == Bound.NO else bound,
+                    Group.MAYBE if group == Group.NONE else group,
+                )
+                for bound, group in self.paths
+            )
+        )
+
+    def bound_as(self, before: _State) -> _State:
+        """Leaving a ``with torch.cuda.device(i):`` block: the binding of before, the groups of now."""
+        bounds = {bound for bound, _ in before.paths}
+        return _State(frozenset((b, g) for b in bounds for _, g in self.paths))
 
 
 def check_unbound_device(mod: Module, report: Report) -> None:
@@ -204,7 +246,7 @@ class _Flow:
     def run_root(self, body: Sequence[ast.stmt], *, library: bool = False) -> None:
         self.library = library
         # a library function's caller made the group (or not): only strict notes come from it
-        self.block(body, _State(group=Group.MAYBE) if library else _State())
+        self.block(body, _State.of(Bound.NO, Group.MAYBE) if library else _State())
 
     # --- statements ----------------------------------------------------------------------------
 
@@ -239,23 +281,24 @@ class _Flow:
         if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
             return self.try_block(stmt, state)
         if isinstance(stmt, ast.Assign) and _sets_visible_devices(stmt):
-            return replace(state, bound=Bound.YES)
+            return state.bind()
         state = self.expressions(stmt, state)
         if isinstance(stmt, (ast.Return, ast.Raise)):
             return None
         return state
 
     def with_block(self, stmt: ast.With | ast.AsyncWith, state: _State) -> _State | None:
-        inner = state
+        inner, scoped = state, False
         for item in stmt.items:
             inner = self.expressions(item.context_expr, inner)
             expr = item.context_expr
             if isinstance(expr, ast.Call) and self.mod.call_name(expr) in _SCOPED_BINDERS:
-                inner = replace(inner, bound=Bound.YES)
+                inner = inner.bind()
+                scoped = True
         after = self.block(stmt.body, inner)
         if after is None:
             return None
-        return replace(after, bound=state.bound) if inner.bound != state.bound else after
+        return after.bound_as(state) if scoped else after
 
     def try_block(self, stmt: ast.stmt, state: _State) -> _State | None:
         body: list[ast.stmt] = getattr(stmt, "body", [])
@@ -277,7 +320,7 @@ class _Flow:
     def call(self, call: ast.Call, state: _State) -> _State:
         name = self.mod.call_name(call) or ""
         if _binds(self.mod, call, name):
-            state = replace(state, bound=Bound.YES)
+            state = state.bind()
         if name == _INIT_GROUP:
             return self.init_group(call, state)
         self.check_trigger(call, name, state)
@@ -287,17 +330,12 @@ class _Flow:
         body = self.mod.local_function(call)
         if body is not None:
             return self.enter(body, state)
-        if self.may_bind(call):
-            return _State(
-                Bound.MAYBE if state.bound == Bound.NO else state.bound,
-                Group.MAYBE if state.group == Group.NONE else state.group,
-            )
-        return state
+        return state.maybe() if self.may_bind(call) else state
 
     def init_group(self, call: ast.Call, state: _State) -> _State:
         if _single_process(call) or not _maybe_nccl(call):
             return state
-        return replace(state, group=Group.NCCL)
+        return state.make_group()
 
     def enter(self, func: ast.FunctionDef | ast.AsyncFunctionDef, state: _State) -> _State:
         key = id(func)
@@ -324,22 +362,27 @@ class _Flow:
                 self.active = saved
 
     def may_bind(self, call: ast.Call) -> bool:
-        """A function imported from another module of this project (or a library not known to
-        be inert): it may bind the device or make the process group."""
+        """A set-up function imported from another module of this project (or a library not
+        known to be inert): it may bind the device or make the process group. Told apart from
+        loggers and data helpers by its name (``init_distributed``, ``setup``, ``set_gpu``)."""
         chain = dotted(call.func)
         origin = self.mod.aliases.get(chain.partition(".")[0]) if chain else None
-        if origin is None:
+        if chain is None or origin is None:
             return False  # a builtin, a method of some object (set_device is seen by name)
-        return origin.partition(".")[0] not in _INERT_ROOTS  # "" for a relative import
+        if origin.partition(".")[0] in _INERT_ROOTS:  # "" for a relative import: not inert
+            return False
+        full = f"{origin}.{chain.partition('.')[2]}".lower()
+        return any(word in full for word in _SETUP_WORDS)
 
     def check_trigger(self, call: ast.Call, name: str, state: _State) -> None:
         what = _trigger(self.mod, call, name, bare_cuda=self.bare_cuda)
         if what is None or id(call) in self.seen_triggers:
             return
-        if state.bound == Bound.YES or state.group == Group.NONE:
-            return
+        if all(bound == Bound.YES or group == Group.NONE for bound, group in state.paths):
+            return  # bound wherever a group exists
         self.seen_triggers.add(id(call))
-        if state.bound == Bound.NO and state.group == Group.NCCL and not self.library:
+        proven = all(path == (Bound.NO, Group.NCCL) for path in state.paths)
+        if proven and not self.library:
             self.proven.append((call, what))
             return
         why = (
