@@ -394,15 +394,3 @@ def exclusive(mod: Module, first: ast.AST, second: ast.AST) -> bool:
 
 def _holds(body: Sequence[ast.stmt], node: ast.AST) -> bool:
     return any(stmt is node for stmt in body)
-
-
-def ends_flow(body: Sequence[ast.stmt]) -> bool:
-    """The block always leaves (return / raise / continue / break / sys.exit())."""
-    if not body:
-        return False
-    last = body[-1]
-    if isinstance(last, (ast.Return, ast.Raise, ast.Continue, ast.Break)):
-        return True
-    if isinstance(last, ast.Expr) and isinstance(last.value, ast.Call):
-        return dotted(last.value.func) in ("sys.exit", "exit", "quit", "os._exit")
-    return False
