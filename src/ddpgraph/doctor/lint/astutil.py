@@ -346,16 +346,42 @@ def position(mod: Module, node: ast.AST) -> tuple[ast.AST, list[ast.stmt], int] 
 def last_assignment(mod: Module, name: str, before: ast.AST) -> ast.expr | None:
     """The value of the last ``name = ...`` (or ``name: T = ...``) at an earlier line in
     ``before``'s scope, else the module's own single binding of it."""
+    found = _last_binding(mod, name, before)
+    return found[1] if found is not None else None
+
+
+def reaching_value(mod: Module, name: str, before: ast.AST) -> ast.expr | None:
+    """Like :func:`last_assignment`, but only when that assignment reaches ``before`` on every
+    path: it sits in a block that also holds ``before`` (not in one branch of an ``if`` whose
+    other branch may have bound something else)."""
+    found = _last_binding(mod, name, before)
+    if found is None:
+        return None
+    statement, value = found
+    if mod.scope_of(statement) is not mod.scope_of(before) and isinstance(
+        mod.scope_of(before), (ast.FunctionDef, ast.AsyncFunctionDef)
+    ):
+        return value  # a module constant read in a function
+    placed = position(mod, statement)
+    if placed is None:
+        return None
+    _, body, index = placed
+    enclosing = {id(before), *(id(a) for a in mod.ancestors(before))}
+    return value if any(id(stmt) in enclosing for stmt in body[index + 1 :]) else None
+
+
+def _last_binding(mod: Module, name: str, before: ast.AST) -> tuple[ast.stmt, ast.expr] | None:
     line = getattr(before, "lineno", 0)
     for scope in (mod.scope_of(before), mod.tree):
-        best: tuple[int, ast.expr] | None = None
+        best: tuple[int, ast.stmt, ast.expr] | None = None
         for node in walk_local(scope):
             value = _binding_value(node, name)
-            where = getattr(node, "lineno", 0)
-            if value is not None and where < line and (best is None or where > best[0]):
-                best = (where, value)
+            if value is None or not isinstance(node, ast.stmt) or node.lineno >= line:
+                continue
+            if best is None or node.lineno > best[0]:
+                best = (node.lineno, node, value)
         if best is not None:
-            return best[1]
+            return best[1], best[2]
     return None
 
 

@@ -15,7 +15,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from .astutil import Module, arg, dotted, int_value, last_assignment, text
+from .astutil import Module, arg, dotted, int_value, reaching_value, text
 from .core import Report
 
 _DEFAULT = "<default group>"
@@ -131,9 +131,9 @@ def _list_sizes(mod: Module, expr: ast.expr, at: ast.AST, depth: int) -> Iterato
     ):
         yield replace(_collection_size(mod, expr.generators[0].iter, at, depth + 1), how=shown)
     elif isinstance(expr, ast.Name):
-        value = last_assignment(mod, expr.id, at)
+        value = reaching_value(mod, expr.id, at)
         if value is None:
-            yield _Size(f"{shown} (made elsewhere)")
+            yield _Size(f"{shown} (made elsewhere, or in one branch only)")
         else:
             for size in _list_sizes(mod, value, at, depth + 1):
                 yield _Size(f"{shown} = {size.how}", size.fixed, size.group, size.offset)
@@ -198,7 +198,7 @@ def _count(mod: Module, expr: ast.expr, at: ast.AST, depth: int) -> _Size:
     ):
         return _Size(shown, group=_DEFAULT)  # the launcher's WORLD_SIZE: the default group
     if isinstance(expr, ast.Name):
-        value_expr = last_assignment(mod, expr.id, at)
+        value_expr = reaching_value(mod, expr.id, at)
         if value_expr is not None:
             found = _count(mod, value_expr, at, depth + 1)
             if found.fixed is not None or found.group is not None:
