@@ -58,7 +58,9 @@ def test_the_corpus_is_real_permissive_attributed_and_small():
         stored = f"{entry['repo'].replace('/', '__')}/{entry['path']}"
         assert entry["file"] == stored or "renamed" in entry.get("note", ""), entry
     sources = (CORPUS / "SOURCES.md").read_text()
-    assert all(f"| {e['repo']} | `{e['commit'][:12]}` | {e['license']} |" in sources for e in entries)
+    assert all(
+        f"| {e['repo']} | `{e['commit'][:12]}` | {e['license']} |" in sources for e in entries
+    )
     assert all(f"`{e['path']}`" in sources for e in entries)
     assert sum(p.stat().st_size for p in CORPUS.rglob("*") if p.is_file()) < MAX_BYTES
 
