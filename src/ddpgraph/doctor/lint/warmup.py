@@ -155,6 +155,8 @@ class _Forwards:
         return _add(head + times * inner, self.count(loop.orelse))
 
     def expression(self, node: ast.AST) -> int | None:
+        if self._aliased(node):
+            return None  # `m = model`, `[model]`: forwards through another name are not seen
         total = 0
         for call in calls(node):
             if text(call.func) in self.names:
@@ -171,6 +173,22 @@ class _Forwards:
             elif given and (self.mod.call_name(call) or "") not in _INERT:
                 return None  # handed to code this file does not show: it may run the model
         return total
+
+    def _aliased(self, node: ast.AST) -> bool:
+        """The model is stored under another name or in a container (not called, not a method
+        or attribute read, not an argument: those are handled)."""
+        for name in walk_local(node):
+            if not (isinstance(name, ast.Name) and name.id in self.names):
+                continue
+            parent = self.mod.parents.get(name)
+            if isinstance(parent, ast.Call) or (
+                isinstance(parent, ast.Attribute) and parent.value is name
+            ):
+                continue
+            if isinstance(parent, ast.keyword) or isinstance(name.ctx, ast.Store):
+                continue
+            return True
+        return False
 
     def _local(
         self, func: ast.FunctionDef | ast.AsyncFunctionDef, call: ast.Call, given: list[int]
