@@ -242,6 +242,7 @@ class _Flow:
         self.proven: list[tuple[ast.Call, str]] = []
         self.unproven: list[tuple[ast.Call, str, str]] = []
         self.seen_triggers: set[int] = set()
+        self.entered: dict[tuple[int, _State, bool], _State] = {}
 
     def run_root(self, body: Sequence[ast.stmt], *, library: bool = False) -> None:
         self.library = library
@@ -341,13 +342,18 @@ class _Flow:
         key = id(func)
         if key in self.active or len(self.active) > 12:
             return state  # recursion: its effect is already on the path
+        known = self.entered.get((key, state, self.library))
+        if known is not None:
+            return known  # same body, same paths in: same paths out (and triggers already seen)
         self.visited.add(key)
         self.active.append(key)
         try:
             after = self.block(func.body, state)
         finally:
             self.active.pop()
-        return after if after is not None else state
+        result = after if after is not None else state
+        self.entered[(key, state, self.library)] = result
+        return result
 
     def spawn(self, call: ast.Call) -> None:
         target = arg(call, 0, "fn") if "Process" not in (self.mod.call_name(call) or "") else None

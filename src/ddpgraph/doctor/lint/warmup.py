@@ -195,6 +195,8 @@ class _Forwards:
     ) -> int | None:
         if id(func) in self.active:
             return 0
+        if len(self.active) > 8:
+            return None  # too deep to follow: the count stays unknown
         params = [a.arg for a in (*func.args.posonlyargs, *func.args.args)]
         if params and params[0] in ("self", "cls") and isinstance(call.func, ast.Attribute):
             params = params[1:]
