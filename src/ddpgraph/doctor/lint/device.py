@@ -175,7 +175,8 @@ def check_unbound_device(mod: Module, report: Report) -> None:
         flow.run_root(root)
     strict_roots: list[Sequence[ast.stmt]] = []
     if report.strict:
-        strict_roots = [f.body for f in mod.functions.values() if id(f) not in flow.visited]
+        unreached = [*mod.functions.values(), *(m for m in mod.methods.values() if m)]
+        strict_roots = [f.body for f in unreached if id(f) not in flow.visited]
     for body in strict_roots:
         flow.run_root(body, library=True)
     proven = sorted(flow.proven, key=lambda t: (t[0].lineno, t[0].col_offset))
