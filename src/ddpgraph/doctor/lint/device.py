@@ -28,9 +28,18 @@ from .astutil import Module, arg, dotted, kwarg, text
 from .core import Report
 
 _INIT_GROUP = "torch.distributed.init_process_group"
-# These put their payload on the current device (torch's _get_object_coll_device).
-_OBJECT_COLLECTIVES = frozenset(
-    {"all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list"}
+# These use the current device: object collectives put their payload there
+# (_get_object_coll_device), and barrier() without device_ids / device_id= runs on it ("using the
+# device under current context", distributed_c10d.barrier).
+_CURRENT_DEVICE_CALLS = frozenset(
+    {
+        "all_gather_object",
+        "gather_object",
+        "broadcast_object_list",
+        "scatter_object_list",
+        "barrier",
+        "monitored_barrier",
+    }
 )
 # These use the device of the tensors they get: wrong only for tensors made on cuda:0 by default.
 _TENSOR_COLLECTIVES = frozenset(
@@ -466,7 +475,9 @@ def _sets_visible_devices(stmt: ast.Assign) -> bool:
 
 def _trigger(mod: Module, call: ast.Call, name: str, *, bare_cuda: bool) -> str | None:
     module, _, func = name.rpartition(".")
-    if module == "torch.distributed" and func in _OBJECT_COLLECTIVES:
+    if module == "torch.distributed" and func in _CURRENT_DEVICE_CALLS:
+        if func.endswith("barrier") and kwarg(call, "device_ids") is not None:
+            return None
         return f"dist.{func}()"
     if bare_cuda and module == "torch.distributed" and func in _TENSOR_COLLECTIVES:
         return f"dist.{func}() on a tensor made on the default device"
