@@ -61,7 +61,7 @@ def _check(mod: Module, report: Report, capture: Capture, target: str) -> None:
             f"could not count the eager forwards of DDP model {target!r} before this capture "
             "(a loop of unknown length, a helper given the model, or a model built elsewhere); "
             f"DDP needs: {WARMUP_RULE}",
-            f"make sure the code does: {WARMUP_RULE}",
+            WARMUP_RULE,
         )
         return
     count, where = counted
