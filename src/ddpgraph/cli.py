@@ -190,14 +190,21 @@ def bench(
     show_default=True,
     help="Output format.",
 )
-def lint(files: tuple[Path, ...], fmt: str) -> None:
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="Also show what a rule suspects but cannot prove, as notes (they do not change the "
+    "exit status).",
+)
+def lint(files: tuple[Path, ...], fmt: str, strict: bool) -> None:
     """Check scripts for the classic DDP / CUDA-graph / object-collective bugs (never runs them).
 
-    Exit status: 0 clean, 1 findings, 2 a file could not be read or parsed.
+    Exit status: 0 clean (notes alone too), 1 findings, 2 a file could not be read or parsed.
     """
     from .doctor.lint import RULES, lint_paths
 
-    findings, errors = lint_paths(files)
+    findings, errors = lint_paths(files, strict=strict)
+    proven = sum(f.severity == "error" for f in findings)
     if fmt == "json":
         payload = {
             "findings": [f.to_dict() for f in findings],
@@ -211,8 +218,9 @@ def lint(files: tuple[Path, ...], fmt: str) -> None:
         for error in errors:
             click.echo(f"error: {error}", err=True)
         if findings:
-            click.echo(f"{len(findings)} finding(s)", err=True)
-    raise SystemExit(2 if errors else 1 if findings else 0)
+            notes = f", {len(findings) - proven} note(s)" if strict else ""
+            click.echo(f"{proven} finding(s){notes}", err=True)
+    raise SystemExit(2 if errors else 1 if proven else 0)
 
 
 @cli.command()
