@@ -37,3 +37,45 @@ def ddp_train(steps: int) -> dict:
         "is_ddp": type(step.model).__name__,
         "losses": losses,
     }
+
+
+class ComputesItsLoss(nn.Module):
+    """An HF-style model: keyword inputs, returns an object whose ``.loss`` is computed."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.net = make_model(seed)
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None):
+        logits = self.net(inputs)
+        loss = None if labels is None else nn.functional.cross_entropy(logits, labels)
+        return _Output(loss=loss, logits=logits)
+
+
+class _Output(dict):
+    """Like transformers' ModelOutput: attribute and key access."""
+
+    __getattr__ = dict.get
+
+
+def mapping_vs_tuple(steps: int) -> dict:
+    """Each rank trains on its shard twice: step(batch) with model-computed loss, and step(x, y)."""
+    rank = torch.distributed.get_rank()
+    world = torch.distributed.get_world_size()
+    shard = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    data = [(x[shard], y[shard]) for x, y in batches(steps, 8)]
+    hf = ComputesItsLoss()
+    by_mapping = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1, momentum=0.9))
+    for x, y in data:
+        by_mapping({"inputs": x, "labels": y})
+    plain = make_model()
+    by_tuple = TrainStep(
+        plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9), nn.CrossEntropyLoss()
+    )
+    for x, y in data:
+        by_tuple(x, y)
+    return {
+        "mapping": [p.detach().clone() for p in hf.parameters()],
+        "tuple": [p.detach().clone() for p in plain.parameters()],
+        "ddp": type(by_mapping.model).__name__,
+    }

@@ -9,12 +9,14 @@ import ddpgraph
 
 PUBLIC = {
     "CaptureError",
+    "CheckpointError",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",
+    "ResumableLoader",
     "Runtime",
     "StepReport",
     "TrainStep",
@@ -25,6 +27,11 @@ PUBLIC = {
     "gather_object",
     "get_runtime",
     "init",
+    "pad_batch",
+    "prefetch",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
     "shutdown",
 }
 

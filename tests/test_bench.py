@@ -81,3 +81,43 @@ def test_compile_true_with_inductor_on_cpu():
     losses = [float(step(x, y)) for _ in range(5)]
     assert step.report().fallbacks == ["the model is on cpu, not CUDA"]
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.timeout(240)
+def test_bench_varlen_quick_runs_every_mode_on_padded_buckets(tmp_path):
+    out = tmp_path / "varlen.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddpgraph",
+            "bench",
+            "--varlen",
+            "--quick",
+            "--repeats",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    (run,) = data["runs"]
+    assert set(run) == {"eager_ddp", "eager_ddp_padded", "train_step_buckets"}
+    assert run["eager_ddp"]["vs_eager"] == 1.0
+    assert all(m["median_ms"] > 0 and m["whole_run_ms"] > 0 for m in run.values())
+
+
+def test_causal_lm_ignores_padding_labels():
+    from ddpgraph.bench_varlen import QUICK_LM, CausalLM
+
+    torch.manual_seed(0)
+    model = CausalLM(QUICK_LM).eval()
+    ids = torch.randint(QUICK_LM.vocab, (2, 5))
+    padded = torch.cat([ids, torch.zeros(2, 3, dtype=torch.long)], dim=1)
+    labels = torch.cat([ids, torch.full((2, 3), -100)], dim=1)
+    with torch.no_grad():
+        assert torch.allclose(model(ids, ids), model(padded, labels), atol=1e-6)

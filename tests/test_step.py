@@ -304,3 +304,140 @@ def test_channels_last_converts_model_and_inputs():
     step(torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))
     assert model.seen is True
     assert model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+# ----------------------------------------------------- batches, loss, evaluation, phases
+def test_mapping_batch_with_model_computed_loss_matches_loss_fn():
+    data = batches(4, 8)
+    hf = step_workers.ComputesItsLoss()
+    step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1))
+    for x, y in data:
+        loss = step({"inputs": x, "labels": y})
+        assert loss.dim() == 0
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    for a, b in zip(params(ref), params(hf.net)):
+        assert torch.equal(a, b)
+
+
+def test_mapping_batch_with_a_loss_fn_gets_the_mapping():
+    seen = []
+
+    def loss_fn(output, batch):
+        seen.append(sorted(batch))
+        return nn.functional.cross_entropy(output.logits, batch["labels"])
+
+    hf = step_workers.ComputesItsLoss()
+    step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1), loss_fn)
+    x, y = batches(1, 8)[0]
+    step({"inputs": x, "labels": y})
+    assert seen == [["inputs", "labels"]]
+
+
+def test_scalar_output_and_positional_inputs_without_loss_fn():
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = make_model()
+
+        def forward(self, x, y):
+            return nn.functional.cross_entropy(self.net(x), y)
+
+    model = Scalar()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = batches(3, 8)
+    for x, y in data:
+        step(x, y)
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    for a, b in zip(params(ref), params(model.net)):
+        assert torch.equal(a, b)
+
+
+def test_model_without_a_loss_is_named_with_the_fix():
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, _ = batches(1, 8)[0]
+    with pytest.raises(ValueError, match=r"returned a tensor of shape \(8, 4\); pass labels"):
+        step(x)
+
+
+def test_bad_mapping_entries_are_named():
+    hf = step_workers.ComputesItsLoss()
+    step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"batch\['labels'\] is a list"):
+        step({"inputs": torch.zeros(2, 8), "labels": [0, 1]})
+    with pytest.raises(ValueError, match="empty mapping"):
+        step({})
+
+
+def test_accumulation_splits_mapping_batches():
+    data = batches(2, 8)
+    hf = step_workers.ComputesItsLoss()
+    step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1), accumulate=2)
+    for x, y in data:
+        step({"inputs": x, "labels": y})
+    ref = make_model()
+    manual_steps(ref, torch.optim.SGD(ref.parameters(), lr=0.1), data)
+    for a, b in zip(params(ref), params(hf.net)):
+        assert torch.allclose(a, b, atol=1e-6)
+    with pytest.raises(ValueError, match=r"accumulate=2 .* \{'inputs': \(3, 8\)"):
+        step({"inputs": torch.zeros(3, 8), "labels": torch.zeros(3, dtype=torch.long)})
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+
+
+def test_evaluate_is_eval_mode_without_grad_and_restores_train_mode():
+    model = bn_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    for x, y in batches(3, 8):
+        step(x, y)
+    x, _ = batches(1, 8, seed=5)[0]
+    out = step.evaluate(x)
+    assert model.training and not out.requires_grad
+    reference = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        expected = reference(x)
+    assert torch.equal(out, expected)  # running statistics, no dropout
+    assert torch.equal(step.evaluate(x), out)  # deterministic: dropout is off
+    assert step.report().evaluations == 2
+
+
+def test_evaluate_takes_mappings():
+    hf = step_workers.ComputesItsLoss()
+    step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1))
+    x, y = batches(1, 8)[0]
+    out = step.evaluate({"inputs": x, "labels": y})
+    assert torch.equal(out.loss, nn.functional.cross_entropy(hf.net(x), y))
+
+
+def test_phase_is_one_explicit_state():
+    from ddpgraph.step import Phase
+
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    assert step.phase is Phase.EAGER and step.mode == "eager"
+    step.close()  # nothing to free on the CPU; still safe
+    step(*batches(1, 8)[0])
+    assert step.report().eager_steps == 1
+
+
+def test_warnings_point_at_the_users_line():
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    with pytest.warns(UserWarning, match="continues eagerly") as record:
+        step._warn_or_raise("a reason")
+    assert record[0].filename == __file__
+
+
+def test_ddp_mapping_batches_match_tuple_batches_on_two_ranks():
+    results = run_distributed(step_workers.mapping_vs_tuple, world_size=2, args=(5,), timeout=90)
+    for result in results:
+        assert result["ddp"] == "DistributedDataParallel"
+        for a, b in zip(result["mapping"], result["tuple"]):
+            assert torch.equal(a, b)
+    for a, b in zip(results[0]["mapping"], results[1]["mapping"]):
+        assert torch.equal(a, b)

@@ -5,6 +5,14 @@ Public names are exactly those in ``__all__`` (pinned by a test); everything els
 
 from __future__ import annotations
 
+from .checkpoint import (
+    CheckpointError,
+    ResumableLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from .data import pad_batch, prefetch
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -23,12 +31,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError",
+    "CheckpointError",
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",
+    "ResumableLoader",
     "Runtime",
     "StepReport",
     "TrainStep",
@@ -39,5 +49,10 @@ __all__ = [
     "gather_object",
     "get_runtime",
     "init",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "pad_batch",
+    "prefetch",
+    "save_checkpoint",
     "shutdown",
 ]

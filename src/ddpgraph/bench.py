@@ -260,8 +260,11 @@ def run_mode(
             "time_to_first_replay_s": report.time_to_first_replay,
             "fallbacks": report.fallbacks,
         }
-        if step._graphs:  # the floor: its own graph replayed with no wrapper at all
-            graph = next(iter(step._graphs.values())).graph
+        cache = step._cache
+        trained = cache.signatures("train") if cache is not None else []
+        captured = cache.get(("train", trained[0])) if cache is not None and trained else None
+        if captured is not None:  # the floor: its own graph replayed with no wrapper at all
+            graph = captured.graph
             result["bare_replay"] = _summary(_step_times(graph.replay, steps, device))
         return result
 

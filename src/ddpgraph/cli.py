@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
+import tokenize
 from pathlib import Path
 
 import click
@@ -43,17 +45,66 @@ def cli() -> None:
     type=click.Path(file_okay=False, path_type=Path),
     default=Path("runs/latest"),
     show_default=True,
-    help="Directory for run.json.",
+    help="Directory for run.json (and checkpoints/).",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds a collective may wait for a peer (ddpgraph.init's timeout).",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Save a checkpoint every N steps in OUT/checkpoints (the newest 2 are kept).",
+)
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in OUT.")
+@click.option(
+    "--stop-after",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after N steps with a checkpoint, as if interrupted; continue with --resume.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Restart all workers up to K times when one fails (torchrun's option); they resume "
+    "from the newest checkpoint.",
 )
 def train(
-    model: str, steps: int, batch_size: int, lr: float, nproc: int | None, seed: int, out: Path
+    model: str,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    nproc: int | None,
+    seed: int,
+    out: Path,
+    timeout: float,
+    checkpoint_every: int | None,
+    resume: bool,
+    stop_after: int | None,
+    max_restarts: int,
 ) -> None:
     """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
     from .demo.launch import launch_training
     from .demo.train import TrainConfig
 
     config = TrainConfig(
-        model=model, steps=steps, batch_size=batch_size, lr=lr, seed=seed, out=str(out)
+        model=model,
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        out=str(out),
+        timeout=timeout,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        stop_after=stop_after,
+        max_restarts=max_restarts,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
 
@@ -85,6 +136,12 @@ def train(
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run (eager and TrainStep).")
 @click.option(
+    "--varlen",
+    is_flag=True,
+    help="The variable-length LM instead (lengths 32..256: eager, eager padded, reduce-overhead, "
+    "TrainStep + pad_batch buckets); JSON only.",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("benchmarks/results/bench.json"),
@@ -97,9 +154,15 @@ def bench(
     steps: int,
     repeats: int,
     quick: bool,
+    varlen: bool,
     out: Path,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    if varlen:
+        from .bench_varlen import run_varlen
+
+        run_varlen(repeats=repeats, quick=quick, out=out)
+        return
     from .bench import CONFIGS, MODES, run_bench
 
     chosen = (
@@ -153,12 +216,14 @@ def lint(files: tuple[Path, ...], fmt: str) -> None:
 
 
 @cli.command()
-@click.argument("text")
-def explain(text: str) -> None:
-    """Explain an error message: its cause and fix. TEXT "-" reads the message from stdin."""
-    if text == "-":
-        text = sys.stdin.read()
-    found = explain_error(text)
+@click.argument("source")
+def explain(source: str) -> None:
+    """Explain an error message: its causes, most likely first, and their fixes.
+
+    SOURCE is the message itself, a file that holds it (a log or a traceback), or "-" to read
+    it from stdin. Exit status: 0 when the error is known, 1 otherwise.
+    """
+    found = explain_error(_read_message(source))
     if found is None:
         click.echo(
             "No known explanation for this error. Run `ddpgraph doctor` to check the environment "
@@ -167,6 +232,32 @@ def explain(text: str) -> None:
         )
         raise SystemExit(1)
     click.echo(found.render())
+
+
+def _read_message(source: str) -> str:
+    """The text of ``explain``'s SOURCE: stdin for "-", a file's contents, or SOURCE itself."""
+    if source == "-":
+        return _decode(sys.stdin.buffer.read())
+    try:
+        is_file = "\n" not in source and Path(source).is_file()
+    except OSError:  # e.g. a long message is not a valid file name
+        is_file = False
+    if not is_file:
+        return source
+    try:
+        return _decode(Path(source).read_bytes())
+    except OSError as exc:
+        raise click.FileError(source, hint=exc.strerror) from exc
+
+
+def _decode(data: bytes) -> str:
+    """``data`` decoded as ``tokenize.open`` decodes source: a UTF-8 BOM or a PEP 263 coding line
+    picks the codec, UTF-8 otherwise; bytes that do not decode are replaced (a log may hold some)."""
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    except SyntaxError:  # an unknown or conflicting coding line, or a first line not in UTF-8
+        encoding = "utf-8"
+    return data.decode(encoding, errors="replace")
 
 
 @cli.command()

@@ -45,11 +45,14 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else CPU_PROCESSES
 
 
-def run_local(fn: Callable[..., Any], *args: Any, nproc: int, name: str) -> dict[int, Any]:
+def run_local(
+    fn: Callable[..., Any], *args: Any, nproc: int, name: str, max_restarts: int = 0
+) -> dict[int, Any]:
     """``fn(*args)`` on ``nproc`` local processes, as ``torchrun --standalone`` would start them.
 
     torch's elastic agent does the process management (no home-made launcher); the result maps
-    each local rank to ``fn``'s return value. A failed worker raises torch's ``ChildFailedError``.
+    each local rank to ``fn``'s return value. A failed worker raises torch's ``ChildFailedError``
+    once ``max_restarts`` restarts of all workers (torchrun's ``--max-restarts``) are used up.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -63,7 +66,7 @@ def run_local(fn: Callable[..., Any], *args: Any, nproc: int, name: str) -> dict
         run_id=f"ddpgraph-{name}-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )

@@ -10,19 +10,24 @@ Facts this module is built on (measured on an H200, torch 2.11, NCCL 2.28; see R
 
 * DDP must be *constructed* on the side stream that captures, or backward fails with "operation
   would make the legacy stream depend on a capturing blocking stream".
-* DDP records CUDA-event timers in forwards whose prior iteration count n is 1..10 or a multiple
-  of 100; such a forward cannot be captured. Capture therefore happens at a count n >= 11 with
-  n % 100 != 0. Forwards under ``no_sync`` do not count, and replays do not advance the count.
+* DDP times its iterations 1..10 and every 100th with CUDA events that a capture cannot hold
+  (``ddpgraph.facts``). TrainStep turns the every-100th sampling off (a private DDP setter;
+  where it is missing, captures keep to the counts the rule allows), so the first capture comes
+  after 11 eager forwards. Forwards under ``no_sync`` do not count; replays do not advance it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import numbers
+import os
+import sys
 import time
 import traceback
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -32,16 +37,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from . import watchdog
+from ._batch import Batch, Signature, describe, differences, make_batch
+from ._graphs import CapturedGraph, GraphCache, ReplayGuard
 from ._log import get_logger
-from .errors import CaptureError, ConfigError, DeviceConflictError, explain
-from .facts import DEFAULT_WARMUP, ddp_count_allows_capture
+from .errors import CaptureError, ConfigError, DeviceConflictError
+from .facts import DDP_STATS_SAMPLE_RATE, DEFAULT_WARMUP, ddp_count_allows_capture
 from .optim import GraphSafeOptimizer, make_graph_safe
 
-__all__ = ["StepReport", "TrainStep"]
+__all__ = ["Phase", "StepReport", "TrainStep", "model_loss"]
 
 GraphMode = Literal["auto", "always", "never"]
 NewShapePolicy = Literal["eager", "capture", "error"]
-Signature = tuple[tuple[torch.Size, torch.dtype, torch.device], ...]
 
 
 @dataclass(frozen=True)
@@ -110,11 +117,20 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
         raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(repr, choices))}.")
 
 
+class Phase(enum.Enum):
+    """Where a TrainStep is: heading for a capture, replaying graphs, or eager for a reason."""
+
+    WARMUP = "warmup"
+    GRAPHED = "graphed"
+    EAGER = "eager"
+
+
 @dataclass
 class CaptureRecord:
     signature: Signature
     at_step: int
     seconds: float
+    kind: str = "train"  # "train" or "eval"
 
 
 @dataclass
@@ -126,6 +142,8 @@ class StepReport:
     eager_steps: int = 0
     replays: int = 0
     warmup_steps: int = 0
+    evaluations: int = 0
+    eval_replays: int = 0
     captures: list[CaptureRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     optimizer_changes: list[str] = field(default_factory=list)
@@ -136,8 +154,11 @@ class StepReport:
             f"mode={self.mode} steps={self.steps} eager={self.eager_steps} "
             f"replays={self.replays} warm-up={self.warmup_steps}"
         ]
+        if self.evaluations:
+            lines[0] += f" evaluations={self.evaluations} (replayed {self.eval_replays})"
         lines += [
-            f"captured {_describe(c.signature)} at step {c.at_step} in {c.seconds * 1e3:.0f} ms"
+            f"captured {c.kind} {describe(c.signature)} at step {c.at_step} in "
+            f"{c.seconds * 1e3:.0f} ms"
             for c in self.captures
         ]
         if self.optimizer_changes:
@@ -146,40 +167,42 @@ class StepReport:
         return "\n".join(lines)
 
 
-def _describe(signature: Signature) -> str:
-    return ", ".join(
-        f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in signature
-    )
-
-
-@dataclass
-class _Graph:
-    graph: torch.cuda.CUDAGraph
-    static_batch: tuple[torch.Tensor, ...]
-    static_loss: torch.Tensor
+LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class TrainStep:
-    """The whole training step as one callable: ``loss = step(x, y)``.
+    """The whole training step as one callable: ``loss = step(x, y)`` or ``loss = step(batch)``.
 
-    ``step(*batch)``: the last element is the target passed to ``loss_fn(output, target)``; the
-    others are the model's inputs. Call it on every rank, the same number of times.
+    Batches (call it on every rank, the same number of times):
+        ``step(*inputs, target)``: ``loss_fn(model(*inputs), target)``.
+        ``step(*inputs)`` with ``loss_fn=None``: the model computes its loss (below).
+        ``step(batch)`` with one mapping (dict, HF ``BatchEncoding``): ``model(**batch)``; with a
+            ``loss_fn`` the loss is ``loss_fn(output, batch)``.
+        With ``loss_fn=None`` the loss is ``output.loss``, ``output["loss"]``, or the output itself
+        when it is a scalar tensor (HF models given ``labels`` compute it).
 
     The returned loss is owned by the graph once the step is captured: the next call overwrites
     it in place. ``loss.clone()`` (or ``float(loss)``, a host sync) keeps a value.
+
+    Phases (:attr:`phase`): ``WARMUP`` runs eager steps (DDP needs 11 before it can be captured);
+    then every rank captures the step and agrees that all succeeded, and ``GRAPHED`` replays it,
+    capturing one more graph per new input signature when ``on_new_shape="capture"``; ``EAGER``
+    runs eagerly, for the reason in ``report().fallbacks``. :meth:`evaluate` runs the forward
+    only, graphed after its own warm-up, in the same memory pool. :meth:`close` frees the graphs.
 
     Options (keyword-only, validated here):
         graph: "auto" captures where CUDA is available and falls back to eager with a warning that
             explains why; "always" raises :class:`CaptureError` instead; "never" stays eager.
         amp: None or "bf16" (autocast around forward and loss).
-        accumulate: k micro-batches per step (the batch is split along dim 0); gradients are
-            all-reduced once, on the last.
+        accumulate: k micro-batches per step (every batch tensor is split along dim 0); gradients
+            are all-reduced once, on the last.
         clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
         on_new_shape: for a batch whose shapes/dtypes/devices differ from every captured one:
-            "eager" runs that step eagerly, "capture" records another graph sharing the memory pool,
-            "error" raises ``ValueError``.
+            "eager" runs that step eagerly, "capture" records another graph sharing the memory pool
+            (pad batches to a few shapes with :func:`ddpgraph.pad_batch`), "error" raises
+            ``ValueError`` naming the entry that changed.
         warmup: eager steps before capture (default 12); raised as needed so that DDP's forward at
-            capture is not one it times (>= 11 earlier forwards, not a multiple of 100).
+            capture is not one it times.
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (``gradient_as_bucket_view=True``
             is the default: it made graphed steps 2-7% faster).
         scheduler: an LR scheduler to include in :meth:`state_dict`.
@@ -192,7 +215,7 @@ class TrainStep:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        loss_fn: LossFn | None = None,
         *,
         graph: GraphMode = "auto",
         amp: str | None = None,
@@ -213,70 +236,127 @@ class TrainStep:
                 "TrainStep got a DistributedDataParallel model; pass the bare module: TrainStep "
                 "wraps it in DDP itself, on the stream it captures with."
             )
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} is not callable.")
         self.device = _model_device(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
         self._amp_dtype = torch.bfloat16 if amp == "bf16" else None
-        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._stream = _capture_stream(self.device) if self.device.type == "cuda" else None
         if channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self._module = model
         self._ddp_kwargs = dict(ddp_kwargs or {})
+        self._ddp_sample_rate = DDP_STATS_SAMPLE_RATE
         self._compile_pending = bool(compile)  # compiled, but not yet past its first forward
         self.model = self._wrap(_compiled(model, compile) if compile else model)
         self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self._graphs: dict[Signature, _Graph] = {}
-        self._pool: Any = None
         self._sync_forwards = 0  # DDP forwards that advanced its iteration counter
         self._start = time.perf_counter()
         self._warmup = self._planned_warmup()
-        self._optimizer_plan: GraphSafeOptimizer | None = None
         self._report = StepReport(mode="eager")
-        self._graph_enabled = self._graphs_possible()
+        self._cache = GraphCache(self._stream) if self._stream is not None else None
+        self._eval_calls: Counter[Signature] = Counter()
+        self._pending_failure: str | None = None  # this rank cannot capture; told at agreement
+        self._optimizer_plan, reason = self._make_optimizer_graph_safe()
+        self._phase = Phase.WARMUP
+        if reason is not None:
+            self._enter_eager(reason, warn=self._stream is not None)
         self._report.mode = self.mode
-        if self._optimizer_plan is not None:
-            self._report.optimizer_changes = list(self._optimizer_plan.changes)
-        self._guard: _ReplayGuard | None = None
-        self._captured: _Graph | None = None
-        self._graph_planned = self._graph_enabled
-        self._first_capture_tried = False
-        self._pending_failure: str | None = None
-        self._uncapturable: set[Signature] = set()
 
     # ----------------------------------------------------------------- public
     @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
     def mode(self) -> str:
         """ "graphed" once a graph exists, "warmup" while heading for one, else "eager"."""
-        if getattr(self, "_graphs", None):
-            return "graphed"
-        return "warmup" if getattr(self, "_graph_enabled", False) else "eager"
+        return self._phase.value
 
     def report(self) -> StepReport:
         """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason."""
         self._report.mode = self.mode
         return self._report
 
-    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
-        signature = self._signature(batch)
+    def __call__(self, *args: Any) -> torch.Tensor:
+        batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
-        if self._at_first_capture():
-            self._first_capture_tried = True
-            if self._agree("capture"):
-                loss = self._capture_and_replay(signature, batch)
-                if loss is not None:
-                    return loss
-        elif self._graph_enabled and self._graphs:
-            captured = self._graphs.get(signature)
+        loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
+        return loss
+
+    def _run_watched(self, phase: str, run: Callable[[Batch], Any], batch: Batch) -> Any:
+        """``run(batch)`` as a watched call: a hang in it becomes the watchdog's verdict."""
+        wd = watchdog.active()
+        if wd is None:
+            return run(batch)
+        wd.enter(phase, self._report.steps)
+        try:
+            result = run(batch)
+        except BaseException as exc:
+            wd.leave()
+            wd.on_error(exc)
+            raise
+        wd.leave()
+        return result
+
+    def _watch_phase(self) -> str:
+        """The watchdog's name for this call (its heartbeat says where each rank is)."""
+        if self._phase is Phase.WARMUP:
+            return "capture" if self._report.eager_steps >= self._warmup else "warmup"
+        return "replay" if self._phase is Phase.GRAPHED else "eager"
+
+    def _step(self, batch: Batch) -> torch.Tensor:
+        if self._phase is Phase.WARMUP and self._report.eager_steps >= self._warmup:
+            return self._first_capture(batch)
+        if self._phase is Phase.GRAPHED:
+            loss = self._replay_or_capture(batch)
+            if loss is not None:
+                return loss
+        return self._eager(batch)
+
+    def evaluate(self, *args: Any) -> Any:
+        """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
+        ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
+
+        Rank-local (no collective; each rank evaluates its own batches). On CUDA the forward is
+        captured after two eager calls per input signature, in the training graphs' pool, and
+        replayed; the output is then graph-owned like the loss (the next evaluate() of that
+        signature overwrites it). The model is back in train mode when this returns. Switching
+        between training and evaluation never re-captures.
+        """
+        batch = make_batch(args, min_positional=1)
+        self._report.evaluations += 1
+        return self._run_watched("eval", self._evaluate, batch)
+
+    def _evaluate(self, batch: Batch) -> Any:
+        key = ("eval", batch.signature)
+        captured = self._cache.get(key) if self._cache is not None else None
+        with self._eval_mode():
+            if captured is None and self._eval_capture_due(key):
+                captured = self._capture_eval(key, batch)
             if captured is not None:
-                return self._replay(captured, batch)
-            if self._should_capture_new_shape(signature):
-                loss = self._capture_and_replay(signature, batch)
-                if loss is not None:
-                    return loss
-        return self._eager(batch, check_syncs=self._is_sync_check_step())
+                self._check_guard()
+                self._report.eval_replays += 1
+                output = captured.replay(batch.tensors)
+                self._watch_replay()
+                return output
+            with self._on_side_stream():
+                return self._forward_eval(batch.with_tensors(self._to_device_all(batch)))
+
+    def close(self) -> None:
+        """Free every captured graph and their memory pool; later steps run eagerly.
+
+        Call on every rank (a rank that keeps replaying would pair its graph's all-reduces with
+        its peers' eager ones, which is safe, but the memory is the reason to close). Follow with
+        ``torch.cuda.empty_cache()`` to hand the memory back to the driver.
+        """
+        if self._cache is not None:
+            self._cache.close()
+        if self._phase is not Phase.EAGER:
+            self._phase = Phase.EAGER
+            self._report.fallbacks.append("close() freed the graphs")
 
     def state_dict(self) -> dict[str, Any]:
         """Model (unwrapped), optimizer, scheduler and step count; safe to save at any step."""
@@ -305,8 +385,8 @@ class TrainStep:
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self._report.steps = int(state.get("steps", self._report.steps))
-        if self._guard is not None:
-            self._guard = _ReplayGuard(self._params, self.optimizer)
+        if self._cache is not None and self._cache.guard is not None:
+            self._cache.guard = ReplayGuard(self._params, self.optimizer)
 
     # --------------------------------------------------------------- set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -319,85 +399,115 @@ class TrainStep:
         # DDP built on the capture stream: built on the default stream, its backward cannot be
         # captured ("operation would make the legacy stream depend on a capturing blocking stream").
         with self._on_side_stream():
-            return DistributedDataParallel(model, **kwargs)
+            ddp = DistributedDataParallel(model, **kwargs)
+        self._ddp_sample_rate = _stop_ddp_sampling(ddp)
+        return ddp
 
     def _planned_warmup(self) -> int:
         steps = self.options.warmup or DEFAULT_WARMUP
         # one more step whose syncs are checked, then capture at a count DDP does not time
-        while not (ddp_count_allows_capture(steps) and ddp_count_allows_capture(steps - 1)):
+        while not (self._count_allows_capture(steps) and self._count_allows_capture(steps - 1)):
             steps += 1
         return steps
 
-    def _graphs_possible(self) -> bool:
-        graph = self.options.graph
-        if graph == "never":
-            return False
-        reason = None
+    def _count_allows_capture(self, sync_forwards: int) -> bool:
+        return ddp_count_allows_capture(sync_forwards, self._ddp_sample_rate)
+
+    def _make_optimizer_graph_safe(self) -> tuple[GraphSafeOptimizer | None, str | None]:
+        """The graph-safe optimizer plan, or why this step cannot be graphed."""
+        if self.options.graph == "never":
+            return None, "graph='never'"
         if self._stream is None:
-            reason = f"the model is on {self.device}, not CUDA"
-        else:
-            try:
-                self._optimizer_plan = make_graph_safe(self.optimizer, self.device)
-            except CaptureError as exc:
-                reason = str(exc)
-        if reason is None:
-            return True
-        if graph == "always":
-            raise CaptureError(f"TrainStep(graph='always') cannot capture: {reason}.")
-        if self._stream is not None:
-            warnings.warn(f"TrainStep runs eagerly: {reason}", stacklevel=3)
-        self._report.fallbacks.append(reason)
-        return False
+            return None, f"the model is on {self.device}, not CUDA"
+        try:
+            return make_graph_safe(self.optimizer, self.device), None
+        except CaptureError as exc:
+            return None, str(exc)
 
     # ------------------------------------------------------------ per step
-    def _signature(self, batch: tuple[torch.Tensor, ...]) -> Signature:
-        if len(batch) < 2:
-            raise ValueError(
-                f"TrainStep got {len(batch)} tensor(s); call step(*inputs, target), e.g. step(x, y)."
-            )
-        for i, item in enumerate(batch):
-            if not isinstance(item, torch.Tensor):
-                raise TypeError(f"batch element {i} is a {type(item).__name__}, not a tensor.")
-        return tuple((t.shape, t.dtype, t.device) for t in batch)
+    def _first_capture(self, batch: Batch) -> torch.Tensor:
+        """Capture on every rank, then agree; every rank replays, or every rank runs eagerly.
 
-    def _at_first_capture(self) -> bool:
-        # Every rank that planned a graph reaches this call, even one that has given up since
-        # (it must still take part in the agreement).
-        return (
-            self._graph_planned
-            and not self._first_capture_tried
-            and self._report.eager_steps >= self._warmup
-        )
+        Ranks that disagreed (one found a host sync, one's capture failed) would otherwise carry
+        on with a graph on some ranks and a failed step on others; and with graph="always" every
+        rank raises, not only the one that failed. Every rank reaches this call at the same step
+        (the warm-up length is the same everywhere). Costs one tiny all-reduce, once per run.
+        """
+        captured: CapturedGraph | None = None
+        started = time.perf_counter()
+        if self._pending_failure is None:
+            result = self._capture_train(batch)
+            if isinstance(result, str):
+                self._pending_failure = result
+            else:
+                captured = result
+        if not self._every_rank_agrees(captured is not None):
+            reason = (
+                self._pending_failure
+                or "another rank could not capture its step (its warning says why)"
+            )
+            self._pending_failure = None
+            self._enter_eager(reason)
+            return self._eager(batch)
+        assert captured is not None
+        self._phase = Phase.GRAPHED
+        self._add_graph(("train", batch.signature), captured, started)
+        loss = self._replay(captured, batch)
+        self._report.time_to_first_replay = time.perf_counter() - self._start
+        return loss
+
+    def _replay_or_capture(self, batch: Batch) -> torch.Tensor | None:
+        """Replay the graph of this signature, capturing it first if the policy says so.
+
+        A later capture needs no agreement: capturing runs nothing, and a graph's all-reduces
+        pair with a peer's eager ones like eager ones do (same buckets, same order).
+        """
+        assert self._cache is not None
+        key = ("train", batch.signature)
+        captured = self._cache.get(key)
+        if captured is not None:
+            return self._replay(captured, batch)
+        if not self._should_capture_new_shape(batch.signature):
+            return None
+        started = time.perf_counter()
+        result = self._capture_train(batch)
+        if isinstance(result, str):
+            self._cache.uncapturable.add(key)
+            self._warn_or_raise(f"the batch of {describe(batch.signature)} runs eagerly: {result}")
+            return None
+        self._add_graph(key, result, started)
+        return self._replay(result, batch)
 
     def _should_capture_new_shape(self, signature: Signature) -> bool:
+        assert self._cache is not None
         policy = self.options.on_new_shape
         if policy == "error":
-            known = "; ".join(_describe(s) for s in self._graphs)
+            known = self._cache.signatures("train")
             raise ValueError(
-                f"TrainStep(on_new_shape='error') got a batch of {_describe(signature)}, but "
-                f"its graph was captured for {known}; pad batches to one shape (drop_last=True), "
-                "or pass on_new_shape='eager' or 'capture'."
+                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but its "
+                f"graph was captured for {describe(known[0])} (changed: "
+                f"{differences(signature, known[0])}); pad batches to one shape "
+                "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
             )
-        return policy == "capture" and signature not in self._uncapturable and self._ddp_ready()
+        return (
+            policy == "capture"
+            and ("train", signature) not in self._cache.uncapturable
+            and self._ddp_ready()
+        )
 
     def _ddp_ready(self) -> bool:
         if not isinstance(self.model, DistributedDataParallel):
             return True
-        return ddp_count_allows_capture(self._sync_forwards)
+        return self._count_allows_capture(self._sync_forwards)
 
-    def _is_sync_check_step(self) -> bool:
-        return (
-            self._graph_enabled
-            and not self._graphs
-            and self._report.eager_steps == self._warmup - 1
-        )
-
-    def _eager(self, batch: tuple[torch.Tensor, ...], *, check_syncs: bool = False) -> torch.Tensor:
+    def _eager(self, batch: Batch) -> torch.Tensor:
         self._report.eager_steps += 1
-        if not self._graphs and self._graph_enabled:
+        warming_up = self._phase is Phase.WARMUP
+        if warming_up:
             self._report.warmup_steps += 1
+        check_syncs = warming_up and self._report.eager_steps == self._warmup
         with self._on_side_stream():
-            batch = tuple(self._to_device(t) for t in batch)
+            batch = batch.with_tensors(self._to_device_all(batch))
             if self._optimizer_plan is not None:
                 self._optimizer_plan.sync_lr()
             if self._compile_pending:
@@ -406,11 +516,14 @@ class TrainStep:
                 syncs = _record_host_syncs(lambda: self._body(batch))
                 loss = syncs.result
                 if syncs.found:
-                    self._note_failure(syncs.describe())
+                    self._pending_failure = syncs.describe()
             else:
                 loss = self._body(batch)
         self._sync_forwards += 1
         return loss
+
+    def _to_device_all(self, batch: Batch) -> list[torch.Tensor]:
+        return [self._to_device(t) for t in batch.tensors]
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(self.device, non_blocking=True)
@@ -418,7 +531,7 @@ class TrainStep:
             tensor = tensor.contiguous(memory_format=torch.channels_last)
         return tensor
 
-    def _first_compiled_step(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _first_compiled_step(self, batch: Batch) -> torch.Tensor:
         """The first forward compiles; if Inductor fails, fall back to the plain module.
 
         Compilation happens before any kernel of the step runs, so the model is unchanged when
@@ -437,21 +550,20 @@ class TrainStep:
             self._params = [p for p in self.model.parameters() if p.requires_grad]
             return self._body(batch)
 
-    def _body(self, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _body(self, batch: Batch) -> torch.Tensor:
         """zero_grad, k x (forward, loss, backward), clip, optimizer step. Returns the mean loss.
 
         Runs eagerly or under capture; it must not touch the LR (a fill_ captured here would
         reset the LR on every replay), so callers sync the LR tensors before it.
         """
-        # set_to_none=False: the graph reads and writes the same .grad tensors on every replay
-        self.optimizer.zero_grad(set_to_none=not self._graph_enabled)
+        # set_to_none=False while graphs are possible: a graph reads and writes the same .grad
+        # tensors on every replay
+        self.optimizer.zero_grad(set_to_none=self._phase is Phase.EAGER)
         k = self.options.accumulate
-        micro_batches = _split(batch, k)
         total: torch.Tensor | None = None
-        for i, micro in enumerate(micro_batches):
+        for i, micro in enumerate(batch.split(k)):
             with self._no_sync_unless(i == k - 1), self._autocast():
-                output = self.model(*micro[:-1])
-                loss = self.loss_fn(output, micro[-1])
+                loss = self._loss(micro)
             _check_scalar_loss(loss)
             (loss / k).backward()
             part = loss.detach().float() / k
@@ -462,107 +574,127 @@ class TrainStep:
         assert total is not None
         return total
 
-    def _replay(self, captured: _Graph, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        assert self._guard is not None and self._optimizer_plan is not None
-        self._guard.check()
-        self._optimizer_plan.sync_lr()
-        for static, tensor in zip(captured.static_batch, batch):
-            static.copy_(tensor, non_blocking=True)
-        captured.graph.replay()
-        self._report.replays += 1
-        return captured.static_loss
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        if batch.kind == "mapping":
+            inputs = batch.as_mapping()
+            output = self.model(**inputs)
+            return model_loss(output) if self.loss_fn is None else self.loss_fn(output, inputs)
+        if self.loss_fn is None:
+            return model_loss(self.model(*batch.tensors))
+        return self.loss_fn(self.model(*batch.tensors[:-1]), batch.tensors[-1])
 
-    # -------------------------------------------------------------- capture
-    def _capture_and_replay(
-        self, signature: Signature, batch: tuple[torch.Tensor, ...]
-    ) -> torch.Tensor | None:
-        """Capture the step for ``signature`` and replay it once (capture itself runs nothing).
-
-        Returns None, after a warning, if "auto" mode fell back to eager; the caller then runs the
-        step eagerly. Model and optimizer state are untouched by a failed capture.
-        """
-        assert self._stream is not None
-        static_batch = tuple(self._to_device(t).clone() for t in batch)
-        started = time.perf_counter()
+    def _replay(self, captured: CapturedGraph, batch: Batch) -> torch.Tensor:
         assert self._optimizer_plan is not None
+        self._check_guard()
         self._optimizer_plan.sync_lr()
-        error = self._try_capture(static_batch)
-        self._sync_forwards += 1  # DDP's host code ran once during capture
-        if error is not None and self._graphs:
-            # A later shape: keep the graphs that work, run this shape eagerly from now on.
-            self._uncapturable.add(signature)
-            self._warn_or_raise(f"the batch of {_describe(signature)} runs eagerly: {error}")
-            return None
-        if error is not None:
-            self._note_failure(error)
-        if not self._graphs and not self._agree("capture its step"):
-            self._captured = None
-            return None
-        assert self._captured is not None
-        self._graphs[signature] = self._captured
-        self._captured = None
-        seconds = time.perf_counter() - started
-        self._report.captures.append(CaptureRecord(signature, self._report.steps, seconds))
-        self._guard = _ReplayGuard(self._params, self.optimizer)
-        get_logger().info("TrainStep captured %s in %.0f ms", _describe(signature), seconds * 1e3)
-        loss = self._replay(self._graphs[signature], batch)
-        if self._report.time_to_first_replay is None:
-            self._report.time_to_first_replay = time.perf_counter() - self._start
+        loss: torch.Tensor = captured.replay(batch.tensors)
+        self._report.replays += 1
+        self._watch_replay()
         return loss
 
-    def _try_capture(self, static_batch: tuple[torch.Tensor, ...]) -> str | None:
-        assert self._stream is not None
-        graph = torch.cuda.CUDAGraph()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(self.device)
-        try:
-            with torch.cuda.graph(
-                graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
-            ):
-                static_loss = self._body(static_batch)
-        except Exception as exc:
-            torch.cuda.synchronize(self.device)
-            _release_rng_from_failed_capture(self._stream)
-            return _first_capture_error(exc)
-        self._captured = _Graph(graph, static_batch, static_loss)
-        return None
+    def _watch_replay(self) -> None:
+        # a graph's collectives are invisible to NCCL's watchdog: this event is what shows a hang
+        wd = watchdog.active()
+        if wd is not None:
+            wd.after_replay(torch.cuda.current_stream(self.device), self._report.steps)
 
-    def _give_up_graphs(self, reason: str) -> None:
-        self._graph_enabled = False
-        self._warn_or_raise(f"whole-step capture is off: {reason}")
+    def _check_guard(self) -> None:
+        if self._cache is not None and self._cache.guard is not None:
+            self._cache.guard.check()
+
+    # -------------------------------------------------------------- capture
+    def _capture_train(self, batch: Batch) -> CapturedGraph | str:
+        """Capture the step for this batch's signature; the graph, or why it failed.
+
+        Capture runs nothing: the caller replays the graph once to train on this batch.
+        """
+        assert self._cache is not None and self._optimizer_plan is not None
+        static = batch.with_tensors([t.clone() for t in self._to_device_all(batch)])
+        self._optimizer_plan.sync_lr()
+        result = self._cache.capture(static.tensors, lambda: self._body(static))
+        self._sync_forwards += 1  # DDP's host code ran once during capture
+        return result
+
+    def _add_graph(
+        self, key: tuple[str, Signature], captured: CapturedGraph, started: float
+    ) -> None:
+        assert self._cache is not None
+        self._cache.add(key, captured)
+        seconds = time.perf_counter() - started
+        kind, signature = key
+        self._report.captures.append(CaptureRecord(signature, self._report.steps, seconds, kind))
+        if self._cache.guard is None:
+            self._cache.guard = ReplayGuard(self._params, self.optimizer)
+        get_logger().info(
+            "TrainStep captured %s %s in %.0f ms", kind, describe(signature), seconds * 1e3
+        )
+
+    def _eval_capture_due(self, key: tuple[str, Signature]) -> bool:
+        if self._cache is None or self.options.graph == "never" or key in self._cache.uncapturable:
+            return False
+        if self._phase is Phase.EAGER and self._report.fallbacks[-1:] == [
+            "close() freed the graphs"
+        ]:
+            return False
+        self._eval_calls[key[1]] += 1
+        return self._eval_calls[key[1]] > _EVAL_WARMUP
+
+    def _capture_eval(self, key: tuple[str, Signature], batch: Batch) -> CapturedGraph | None:
+        assert self._cache is not None
+        started = time.perf_counter()
+        static = batch.with_tensors([t.clone() for t in self._to_device_all(batch)])
+        result = self._cache.capture(static.tensors, lambda: self._forward_eval(static))
+        if isinstance(result, str):
+            self._cache.uncapturable.add(key)
+            self._warn_or_raise(f"evaluation of {describe(batch.signature)} runs eagerly: {result}")
+            return None
+        self._add_graph(key, result, started)
+        return result
+
+    def _forward_eval(self, batch: Batch) -> Any:
+        # the module inside DDP: evaluation needs no gradient sync, and DDP's forward would
+        # count an iteration and broadcast buffers
+        module = (
+            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        )
+        with torch.no_grad(), self._autocast():
+            if batch.kind == "mapping":
+                return module(**batch.as_mapping())
+            return module(*batch.tensors)
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    # ------------------------------------------------------- agreement, exits
+    def _every_rank_agrees(self, ok: bool) -> bool:
+        if not isinstance(self.model, DistributedDataParallel):
+            return ok
+        flag = torch.tensor([int(ok)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _enter_eager(self, reason: str, *, warn: bool = True) -> None:
+        """Leave the graphed path for good: raise under graph='always', else warn once."""
+        self._phase = Phase.EAGER
+        if self.options.graph == "never":
+            return
+        if self.options.graph == "always":
+            raise CaptureError(f"TrainStep(graph='always') cannot capture: {reason}.")
+        if warn:
+            _warn_at_user_line(f"TrainStep runs eagerly: {reason}")
+        self._report.fallbacks.append(reason)
 
     def _warn_or_raise(self, message: str) -> None:
         if self.options.graph == "always":
             raise CaptureError(message)
-        warnings.warn(f"TrainStep continues eagerly; {message}", stacklevel=4)
+        _warn_at_user_line(f"TrainStep continues eagerly; {message}")
         self._report.fallbacks.append(message)
-
-    def _note_failure(self, reason: str) -> None:
-        """Stop graphing on this rank; warn or raise at the next agreement, with the others."""
-        self._graph_enabled = False
-        self._pending_failure = reason
-
-    def _agree(self, what: str) -> bool:
-        """Before the first capture and after it: every rank captures, or none does.
-
-        Ranks that disagreed (one found a host sync, one's capture failed) would otherwise pair
-        a graph's all-reduces with eager ones and hang; and with graph="always" every rank raises,
-        not only the one that failed. Ranks reach these two points at the same call, since the
-        warm-up length is the same everywhere. Costs one tiny all-reduce, twice per run.
-        """
-        all_ok = self._graph_enabled
-        if isinstance(self.model, DistributedDataParallel):
-            flag = torch.tensor([int(all_ok)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            all_ok = bool(flag.item())
-        if not all_ok:
-            reason = (
-                self._pending_failure or f"another rank could not {what} (its warning says why)"
-            )
-            self._pending_failure = None
-            self._give_up_graphs(reason)
-        return all_ok
 
     # ------------------------------------------------------------- helpers
     def _on_side_stream(self) -> contextlib.AbstractContextManager[Any]:
@@ -582,6 +714,75 @@ class TrainStep:
         return self.model.no_sync()
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, shared by every TrainStep on it.
+
+    cuBLAS keeps a workspace (tens of MiB) per stream for the life of the process: a stream per
+    TrainStep would leave one behind for every TrainStep ever built. Steps on one stream run in
+    the order they are called, as on the default stream.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
+
+
+_EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
+_NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
+
+
+def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
+    """Stop DDP timing every 100th iteration, so that any count after 10 can be captured.
+
+    DDP's timers are diagnostics (``_get_ddp_logging_data``); a timed iteration inside a graph
+    crashes a later eager forward ("CUDA error: invalid argument"). The setter is private, so
+    where it is missing the step keeps to the counts the default rate allows.
+    """
+    try:
+        ddp._set_ddp_runtime_logging_sample_rate(_NEVER)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return DDP_STATS_SAMPLE_RATE
+    return _NEVER
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss``, ``output["loss"]`` or a scalar output."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise ValueError(
+        f"TrainStep(loss_fn=None) needs the model to return its loss (a scalar tensor, .loss or "
+        f"['loss']), but it returned {_kind_of(output)}; pass labels in the batch (HF models "
+        "compute the loss from them) or give a loss_fn."
+    )
+
+
+def _kind_of(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {tuple(output.shape)}"
+    return f"a {type(output).__name__}"
+
+
+def _warn_at_user_line(message: str) -> None:
+    """Warn with the location of the user's call into ddpgraph, not a line of step.py."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame = sys._getframe(1)
+    level = 2  # 1 is this function
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, stacklevel=level)
+
+
 @contextlib.contextmanager
 def _side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     # The side stream waits for the caller's work (e.g. the batch's H2D copy) and the caller's
@@ -590,52 +791,6 @@ def _side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
     with torch.cuda.stream(stream):
         yield
     torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-
-class _ReplayGuard:
-    """Detects parameters or optimizer state replaced since capture (the graph reads the old ones).
-
-    Runs before every replay, so it compares flat lists of data pointers: a few microseconds for
-    hundreds of tensors.
-    """
-
-    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        self._params = params
-        self._pointers = [p.data_ptr() for p in params]
-        self._optimizer = optimizer
-        self._state = optimizer.state
-        self._slots = [
-            (state, key)
-            for state in optimizer.state.values()
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor)
-        ]
-        self._state_pointers = self._current_state_pointers()
-
-    def _current_state_pointers(self) -> list[int]:
-        return [state[key].data_ptr() for state, key in self._slots]
-
-    def check(self) -> None:
-        if [p.data_ptr() for p in self._params] != self._pointers:
-            self._raise_for_parameter()
-        if (
-            self._optimizer.state is not self._state
-            or self._current_state_pointers() != self._state_pointers
-        ):
-            raise CaptureError(
-                "the optimizer's state tensors were replaced since capture (e.g. by "
-                "optimizer.load_state_dict), so the graph would update the old ones; use "
-                "step.load_state_dict(), which copies in place."
-            )
-
-    def _raise_for_parameter(self) -> None:
-        for i, (param, pointer) in enumerate(zip(self._params, self._pointers)):
-            if param.data_ptr() != pointer:
-                raise CaptureError(
-                    f"parameter {i} (shape {tuple(param.shape)}) was replaced since capture, so "
-                    "the graph would train the old tensor; change parameters in place "
-                    "(param.data.copy_(new)) or load checkpoints with step.load_state_dict()."
-                )
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -671,19 +826,6 @@ def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _split(batch: Sequence[torch.Tensor], k: int) -> list[tuple[torch.Tensor, ...]]:
-    if k == 1:
-        return [tuple(batch)]
-    size = batch[0].shape[0] if batch[0].dim() else 0
-    for t in batch:
-        if t.dim() == 0 or t.shape[0] != size or size % k:
-            raise ValueError(
-                f"accumulate={k} splits every batch tensor along dim 0 into {k} equal parts, "
-                f"but got shapes {[tuple(x.shape) for x in batch]}; use a batch size divisible by {k}."
-            )
-    return list(zip(*(t.chunk(k) for t in batch)))
 
 
 def _check_scalar_loss(loss: object) -> None:
@@ -752,38 +894,17 @@ def _record_host_syncs(fn: Callable[[], Any]) -> _SyncReport:
 
 
 def _user_frame() -> str:
-    """The innermost stack frame outside torch and ddpgraph: the user's line that synced."""
+    """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
+    a library's such as transformers')."""
+    skip = (_TORCH_DIR, _PACKAGE_DIR, os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
     for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/ddpgraph/" in path or "warnings.py" in path:
+        if os.path.abspath(frame.filename).startswith(skip):
             continue
         return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     return "an unknown line"
 
 
-def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:
-    """Take the default CUDA generator out of capture mode after a failed capture.
-
-    torch ends a generator's capture mode only when a capture *succeeds*; after a failed one every
-    later random op (dropout, Inductor's compilation) raises "Offset increment outside graph
-    capture encountered unexpectedly". A trivial capture that succeeds ends it.
-    """
-    scratch = torch.zeros(1, device=stream.device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        scratch.add_(1)
-    del graph
-
-
-def _first_capture_error(exc: BaseException) -> str:
-    """The first CUDA error of a failed capture, not the 'previous error' that follows it."""
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    first = chain[-1]
-    text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
-    known = explain(f"{type(first).__name__}: {first}")
-    explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
-    return f"capture failed: {type(first).__name__}: {text}{explained}"
+# package directories by path, not by a "/torch/" substring: a virtual environment can be named
+# torch (/opt/torch/.venv/.../transformers would be skipped)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -43,3 +43,37 @@ def graphed_and_eager(model_name: str, steps: int) -> dict:
         "graphed": _train(model_name, "always", steps),
         "eager": _train(model_name, "never", steps),
     }
+
+
+def _mixed_run(graph: str, policy: str, steps: int) -> dict:
+    """Ranks meet new batch sizes at different steps, so in one step some ranks replay a graph,
+    some capture a new one and some run eagerly; DDP's all-reduces must still pair up."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = build_model("mlp").cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if graph == "never":
+        make_graph_safe(opt, torch.device("cuda"))
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph, on_new_shape=policy)
+    gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
+    losses = []
+    for i in range(steps):
+        # rank r sees a new size at steps 20 + 7r, 40 + 3r, ...: never the same step everywhere
+        size = 32 if i < 20 + 7 * rank else (24 if i < 40 + 3 * rank else 16 + (i + rank) % 3)
+        x = torch.randn((size, 64), device="cuda", generator=gen)
+        y = torch.randint(10, (size,), device="cuda", generator=gen)
+        losses.append(step(x, y).clone())
+    torch.cuda.synchronize()
+    return {
+        "losses": torch.stack(losses).cpu(),
+        "state": {k: v.cpu() for k, v in model.state_dict().items()},
+        "report": str(step.report()),
+    }
+
+
+def mixed_graphed_and_eager_steps(steps: int) -> dict:
+    return {
+        "capture": _mixed_run("always", "capture", steps),
+        "eager_new_shapes": _mixed_run("always", "eager", steps),
+        "eager": _mixed_run("never", "eager", steps),
+    }

@@ -83,6 +83,15 @@ def test_a_replay_that_never_finishes_is_reported_and_the_process_ends():
     assert ended - _replayed_at(output) < TIMEOUT_S + 10, output
 
 
+@pytest.mark.timeout(180)
+def test_a_trainstep_replay_that_never_finishes_names_the_step():
+    [(code, output, ended)] = _finish(_launch("trainstep_sleep", 1), 150)
+    assert code == watchdog.EXIT_CODE, output
+    assert "SYNCHRONIZE RETURNED" not in output
+    assert "rank 0 has been in the CUDA graph replay of step 15" in output, output
+    assert ended - _replayed_at(output) < TIMEOUT_S + 10, output
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_a_hang_inside_a_replayed_nccl_all_reduce_names_the_rank_that_stopped():

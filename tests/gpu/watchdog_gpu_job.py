@@ -80,6 +80,44 @@ def nccl_hang_job(timeout: float) -> None:
         pass
 
 
+class _Sleepy(torch.nn.Module):
+    """A linear layer whose forward also sleeps on the GPU for ``cycles`` (baked in at capture)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.cycles = 1000
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return self.linear(x)
+
+
+def trainstep_sleep_job(timeout: float) -> None:
+    """TrainStep's own hooks: the graph captured for a new shape sleeps ~20x the timeout."""
+    rt = ddpgraph.init(timeout=timeout, stall_warning=1.0)
+    model = _Sleepy().to(rt.device)
+    step = ddpgraph.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.nn.CrossEntropyLoss(),
+        graph="always",
+        on_new_shape="capture",
+    )
+    y = torch.zeros(4, dtype=torch.long, device=rt.device)
+    for _ in range(14):  # warm-up, capture, replays of the short graph
+        step(torch.randn(4, 8, device=rt.device), y)
+    torch.cuda.synchronize()
+    cycles_per_s = torch.cuda.get_device_properties(0).clock_rate * 1000
+    model.cycles = int(cycles_per_s * timeout * 20)
+    step(torch.randn(2, 8, device=rt.device), y[:2])  # step 15: captured and replayed: hangs
+    print(f"REPLAYED {step.report().steps} {time.time()}", flush=True)
+    torch.cuda.synchronize()
+    print("SYNCHRONIZE RETURNED", flush=True)
+    step(torch.randn(4, 8, device=rt.device), y)  # raises the verdict if the sync returned
+
+
 if __name__ == "__main__":
-    {"sleep": sleep_job, "nccl_hang": nccl_hang_job}[sys.argv[1]](float(sys.argv[2]))
+    jobs = {"sleep": sleep_job, "nccl_hang": nccl_hang_job, "trainstep_sleep": trainstep_sleep_job}
+    jobs[sys.argv[1]](float(sys.argv[2]))
     os._exit(0)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from ..checkpoint import MANIFEST, latest_checkpoint
 from ..launch import default_nproc, run_local
-from .train import TRAIN_SAMPLES, TrainConfig, run_worker
+from .train import SAME_ON_RESUME, TRAIN_SAMPLES, TrainConfig, run_worker
 
 
 def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
@@ -29,7 +32,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
         print(f"ddpgraph train: {problem}", file=sys.stderr)
         return 2
     try:
-        run_local(run_worker, config, nproc=workers, name="train")
+        run_local(run_worker, config, nproc=workers, name="train", max_restarts=config.max_restarts)
     except ChildFailedError as exc:
         print(f"ddpgraph train failed:\n{exc.format_msg()}", file=sys.stderr)
         return 1
@@ -53,4 +56,47 @@ def _check_before_launch(config: TrainConfig, workers: int) -> str | None:
             pass
     except OSError as exc:
         return f"--out {out} is not a writable directory ({exc.strerror or exc}); pick another."
+    return _check_checkpoints(config, workers)
+
+
+def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
+    """--resume needs a checkpoint that fits this run; a fresh run must not find old ones."""
+    if config.stop_after is not None and config.stop_after >= config.steps:
+        return (
+            f"--stop-after {config.stop_after} is not before --steps {config.steps}; use a "
+            f"smaller --stop-after, or leave it out to train all {config.steps} steps."
+        )
+    found = latest_checkpoint(config.checkpoints)
+    if not config.resume:
+        if found is None or (config.checkpoint_every is None and config.stop_after is None):
+            return None
+        # a restart (--max-restarts) resumes from the newest checkpoint: it must be this run's
+        return (
+            f"--out {config.out} already holds checkpoints (newest: {found.name}); pass --resume "
+            f"to continue that run, or pick another --out (or delete {config.checkpoints})."
+        )
+    if found is None:
+        return (
+            f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
+            "point --out at the directory of the run to continue."
+        )
+    return _check_fits_run(config, workers, found)
+
+
+def _check_fits_run(config: TrainConfig, workers: int, found: Path) -> str | None:
+    manifest = json.loads((found / MANIFEST).read_text())
+    if manifest.get("world_size") != workers:
+        return (
+            f"{found} was saved by {manifest.get('world_size')} rank(s), this run has {workers}; "
+            f"resume with --nproc {manifest.get('world_size')}."
+        )
+    saved = manifest.get("extra", {}).get("config", {})
+    ours = asdict(config)
+    differ = [name for name in SAME_ON_RESUME if name in saved and saved[name] != ours[name]]
+    if differ:
+        flags = " ".join(f"--{n.replace('_', '-')} {saved[n]}" for n in differ)
+        return (
+            f"{found} was saved by a run with other options ({flags}); an exact resume needs "
+            f"the same ones: add {flags}."
+        )
     return None

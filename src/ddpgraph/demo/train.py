@@ -2,10 +2,15 @@
 
 The loop only ever calls ``step(x, y)``: TrainStep decides whether that is an eager step, a
 warm-up step, a capture or a replay, so the same loop runs on CPU ranks and on graphed GPUs.
+
+Checkpoints (``--checkpoint-every``) hold everything the loop's future depends on (model,
+optimizer, scheduler, RNG states, data position), and the data is a pure function of the seed,
+so a run resumed from step k ends bitwise identical to one that never stopped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -16,10 +21,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 import ddpgraph
 
+from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
 from .models import build_model
@@ -27,6 +33,10 @@ from .models import build_model
 TRAIN_SAMPLES = 8192
 EVAL_SAMPLES = 2048
 LOG_EVERY = 20  # steps between loss read-backs: the only host syncs in the loop
+KEEP_LAST = 2  # checkpoints kept: the newest, and one more in case it is damaged later
+# Options a resumed run must share with the run that saved the checkpoint: each changes what
+# the remaining steps compute (--steps sets the cosine schedule's length).
+SAME_ON_RESUME = ("model", "steps", "batch_size", "lr", "seed")
 
 
 @dataclass(frozen=True)
@@ -37,17 +47,33 @@ class TrainConfig:
     lr: float = 0.05
     seed: int = 0
     out: str = "runs/latest"
+    timeout: float = 600.0  # seconds, for ddpgraph.init
+    checkpoint_every: int | None = None
+    resume: bool = False
+    stop_after: int | None = None  # stop (with a checkpoint) after this many steps
+    max_restarts: int = 0
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.out) / "checkpoints"
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation trains up to."""
+        return min(self.stop_after or self.steps, self.steps)
 
 
 def run_worker(config: TrainConfig) -> dict[str, Any]:
     """Train on this rank (launched by torch.distributed's elastic agent); return its metrics."""
     if torch.cuda.is_available():
+        # the same seed gives the same bits, which exact resume (--resume) relies on
         torch.backends.cudnn.benchmark = False
+        torch.backends.cudnn.deterministic = True
     else:
         # each CPU rank gets its share of the cores instead of all ranks fighting over all of them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    with ddpgraph.init() as rt:
+    with ddpgraph.init(timeout=config.timeout) as rt:
         metrics = _train(config, rt)
         everyone = _gather(metrics)
         if rt.is_main:
@@ -68,33 +94,89 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
     )
     loader = _loader(config, rt, split="train")
+    # prefetch inside, so that the loader counts what the step consumed, not what was copied ahead
+    batches = ResumableLoader(ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader))
     losses = _LossLog(rt.device)
     curve: list[float] = []
-    started = time.perf_counter()
     with _Progress(rt.is_main, config.steps) as progress:
-        for i, (x, y) in zip(range(config.steps), _forever(loader)):
-            losses.add(step(x.to(rt.device, non_blocking=True), y.to(rt.device, non_blocking=True)))
+        start = _resume(config, step, batches, progress)
+        started = time.perf_counter()
+        for i, (x, y) in zip(range(start, config.last_step), _forever(batches)):
+            losses.add(step(x, y))  # already on the device (prefetch), or CPU tensors on CPU
             scheduler.step()
-            if (i + 1) % LOG_EVERY == 0 or i + 1 == config.steps:
+            done = i + 1
+            if done % LOG_EVERY == 0 or done == config.last_step:
                 curve.append(losses.read())
-                progress(i + 1, curve[-1], step.mode)
+                progress(done, curve[-1], step.mode)
+            if _is_save_point(config, done):
+                # ddpgraph's logger says where it went, on rank 0
+                save_checkpoint(
+                    config.checkpoints,
+                    step=done,
+                    train_step=step,
+                    loader=batches,
+                    keep_last=KEEP_LAST,
+                    config=asdict(config),
+                )
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     report = step.report()
+    trained = config.last_step - start
     return {
         "rank": rt.rank,
         "device": str(rt.device),
         "backend": rt.backend,
         "mode": report.mode,
-        "samples_seen": config.steps * config.batch_size,
-        "final_loss": curve[-1],
+        "resumed_from": start,
+        "samples_seen": trained * config.batch_size,
+        "final_loss": curve[-1] if curve else float("nan"),
         "loss_curve": curve,
-        "accuracy": _evaluate(step.model, config, rt),
-        "steps_per_s": config.steps / seconds,
+        "accuracy": _evaluate(step, config, rt),
+        "steps_per_s": trained / seconds if trained else 0.0,
         "time_to_first_replay_s": report.time_to_first_replay,
         "fallbacks": report.fallbacks,
+        "params_sha256": parameter_hash(model),
     }
+
+
+def _resume(
+    config: TrainConfig, step: TrainStep, batches: ResumableLoader, progress: _Progress
+) -> int:
+    """The step to start from: the newest checkpoint's with --resume or after a restart, else 0.
+
+    torch's elastic agent restarts every worker of a job whose rank died (``--max-restarts``)
+    and counts the restarts in TORCHELASTIC_RESTART_COUNT: a restarted worker resumes on its own.
+    """
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if not config.resume and not (restarted and latest_checkpoint(config.checkpoints)):
+        if restarted:
+            progress.note("restarted before the first checkpoint: training from step 0")
+        return 0
+    state = load_checkpoint(config.checkpoints, train_step=step, loader=batches)
+    why = "after a restart" if restarted else "with --resume"
+    progress.note(f"resuming {why} from step {state['step']} ({state['path']})")
+    progress.start_at(int(state["step"]))
+    return int(state["step"])
+
+
+def _is_save_point(config: TrainConfig, done: int) -> bool:
+    if done == config.last_step:
+        return done < config.steps  # stopped early on purpose: save what --resume continues
+    return config.checkpoint_every is not None and done % config.checkpoint_every == 0
+
+
+def parameter_hash(model: nn.Module) -> str:
+    """SHA-256 over the model's state_dict: each key, dtype, shape and the tensor's bytes on CPU.
+
+    Equal hashes mean bitwise-equal parameters and buffers (memory layout aside).
+    """
+    digest = hashlib.sha256()
+    for key, tensor in model.state_dict().items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{key}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(flat.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoader:
@@ -110,23 +192,38 @@ def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoa
         seed=config.seed,
         drop_last=split == "train",  # equal batch shapes on every rank: one graph serves all
     )
+    if split == "train":
+        # Batch-level sampling: TensorDataset gathers a whole batch with one indexing call, where
+        # per-sample __getitem__ plus collate cost ~0.5 ms a batch, as long as a graphed step.
+        # The same DistributedSampler order, so the same batches.
+        return DataLoader(
+            data,
+            sampler=BatchSampler(sampler, config.batch_size, drop_last=True),
+            batch_size=None,
+            pin_memory=False,  # prefetch pins the whole batch in one copy
+            generator=torch.Generator().manual_seed(config.seed),
+        )
     return DataLoader(
         data,
         batch_size=config.batch_size,
         sampler=sampler,
-        drop_last=split == "train",
+        drop_last=False,
         pin_memory=rt.device.type == "cuda",
+        # its own generator: making an iterator draws a seed, and drawn from the global RNG it
+        # would shift every later random number by when the (resumed) run started an epoch
+        generator=torch.Generator().manual_seed(config.seed),
     )
 
 
-def _forever(loader: DataLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    epoch = 0
-    while True:
-        sampler: Any = loader.sampler
-        if isinstance(sampler, DistributedSampler):
-            sampler.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+def _sampler_of(loader: DataLoader) -> Any:
+    """The DistributedSampler (its epoch sets the shuffle), also under a BatchSampler."""
+    sampler: Any = loader.sampler
+    return sampler.sampler if isinstance(sampler, BatchSampler) else sampler
+
+
+def _forever(batches: ResumableLoader) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    while True:  # ResumableLoader sets the sampler's epoch and skips what a checkpoint consumed
+        yield from batches
 
 
 class _LossLog:
@@ -149,16 +246,15 @@ class _LossLog:
         return self._last
 
 
-@torch.no_grad()
-def _evaluate(model: nn.Module, config: TrainConfig, rt: ddpgraph.Runtime) -> float:
-    model.eval()
-    correct = total = 0
-    for x, y in _loader(config, rt, split="eval"):
-        logits = model(x.to(rt.device))
-        correct += int((logits.argmax(dim=1).cpu() == y).sum())
+def _evaluate(step: TrainStep, config: TrainConfig, rt: ddpgraph.Runtime) -> float:
+    """Accuracy on this rank's share of the eval split, through the step's (graphed) evaluate."""
+    correct = torch.zeros((), dtype=torch.long, device=rt.device)
+    total = 0
+    for x, y in ddpgraph.prefetch(_loader(config, rt, split="eval"), rt.device):
+        logits = step.evaluate(x)  # graph-owned: use it before the next evaluate
+        correct += (logits.argmax(dim=1) == y).sum()
         total += len(y)
-    model.train()
-    return correct / max(total, 1)
+    return int(correct) / max(total, 1)
 
 
 def _gather(metrics: dict[str, Any]) -> list[dict[str, Any]]:
@@ -174,6 +270,7 @@ class _Progress:
         self._total = total
         self._bar: Any = None
         self._started = time.perf_counter()
+        self._first = 0  # the step this run started from (resumed runs start later)
 
     def __enter__(self) -> _Progress:
         if self._enabled:
@@ -191,10 +288,27 @@ class _Progress:
             self._task = self._bar.add_task("train", total=self._total, loss="-", rate="-", mode="")
         return self
 
+    def start_at(self, done: int) -> None:
+        self._first = done
+        self._started = time.perf_counter()
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done)
+
+    def note(self, text: str) -> None:
+        """A line above the bar on the main rank (checkpoints saved, resumes)."""
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(
+                f"ddpgraph train: {text}", markup=False, highlight=False, soft_wrap=True
+            )
+        else:
+            print(f"ddpgraph train: {text}", flush=True)
+
     def __call__(self, done: int, loss: float, mode: str) -> None:
         if self._bar is None:
             return
-        rate = done / (time.perf_counter() - self._started)
+        rate = (done - self._first) / (time.perf_counter() - self._started)
         self._bar.update(
             self._task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:.0f}", mode=mode
         )
@@ -247,7 +361,10 @@ def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]
         "config": asdict(config),
         "world_size": len(everyone),
         "torch": torch.__version__,
+        "steps_done": config.last_step,
         "accuracy": accuracy,
+        # rank 0's replica; DDP keeps every rank's equal, and each rank's own is under "ranks"
+        "params_sha256": everyone[0]["params_sha256"],
         "ranks": everyone,
     }
     tmp = path.with_suffix(".json.tmp")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import explain
+from ..errors import explain, explain_exception
 from ..launch import default_nproc, run_local
 from ..objects import all_gather_object
 from ..runtime import Runtime, device_identity
@@ -317,7 +317,7 @@ def _failure(name: str, exc: BaseException, generic_fix: str) -> CheckOutcome:
     text = f"{type(exc).__name__}: {exc}".strip()
     if isinstance(exc, SelfTestFailure):
         return CheckOutcome(name, "fail", text, exc.fix)
-    found = explain(text)
+    found = explain_exception(exc)  # its frames order the causes
     fix = f"{found.title}: {found.fix}" if found else generic_fix
     return CheckOutcome(name, "fail", text, fix)
 

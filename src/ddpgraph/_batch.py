@@ -1,0 +1,100 @@
+"""A step's batch as TrainStep sees it: named tensors, a signature, and the call it becomes.
+
+``step(x, y)`` is a positional batch (entries named "0", "1", ...); ``step(batch)`` with one
+mapping (a dict, an HF ``BatchEncoding``) is a keyword batch passed as ``model(**batch)``. Both
+flatten to the same shape so static buffers, guards and accumulation treat them alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Kind = Literal["args", "mapping"]
+Leaf = tuple[torch.Size, torch.dtype, torch.device]
+Signature = tuple[Kind, tuple[str, ...], tuple[Leaf, ...]]
+
+
+@dataclass(frozen=True)
+class Batch:
+    kind: Kind
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+    @property
+    def signature(self) -> Signature:
+        return (self.kind, self.names, tuple((t.shape, t.dtype, t.device) for t in self.tensors))
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> Batch:
+        return Batch(self.kind, self.names, tuple(tensors))
+
+    def as_mapping(self) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, self.tensors))
+
+    def split(self, k: int) -> list[Batch]:
+        """k equal micro-batches along dim 0 (gradient accumulation)."""
+        if k == 1:
+            return [self]
+        sizes = {t.shape[0] if t.dim() else None for t in self.tensors}
+        size = next(iter(sizes))
+        if len(sizes) != 1 or size is None or size % k:
+            shapes = {n: tuple(t.shape) for n, t in zip(self.names, self.tensors)}
+            raise ValueError(
+                f"accumulate={k} splits every batch tensor along dim 0 into {k} equal parts, "
+                f"but got shapes {shapes}; use a batch size divisible by {k}."
+            )
+        chunks = [t.chunk(k) for t in self.tensors]
+        return [self.with_tensors([c[i] for c in chunks]) for i in range(k)]
+
+
+def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
+    """Check ``step(...)``'s arguments and name them; raise naming the entry that is wrong."""
+    if len(args) == 1 and isinstance(args[0], Mapping):
+        mapping = args[0]
+        names = tuple(str(k) for k in mapping)
+        for name in names:
+            _require_tensor(mapping[name], f"batch[{name!r}]")
+        if not names:
+            raise ValueError("TrainStep got an empty mapping; pass the model's keyword inputs.")
+        return Batch("mapping", names, tuple(mapping[n] for n in names))
+    if len(args) < min_positional:
+        raise ValueError(
+            f"TrainStep got {len(args)} tensor(s); call step(*inputs, target), e.g. step(x, y), "
+            "or step(batch) with one mapping of the model's keyword inputs."
+        )
+    for i, item in enumerate(args):
+        _require_tensor(item, f"batch element {i}")
+    return Batch("args", tuple(str(i) for i in range(len(args))), tuple(args))
+
+
+def _require_tensor(value: object, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} is a {type(value).__name__}, not a tensor.")
+
+
+def describe(signature: Signature) -> str:
+    kind, names, leaves = signature
+    parts = [f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in leaves]
+    if kind == "mapping":
+        parts = [f"{name}: {part}" for name, part in zip(names, parts)]
+    return ", ".join(parts)
+
+
+def differences(new: Signature, known: Signature) -> str:
+    """What changed from ``known`` to ``new``, naming each entry (key or position)."""
+    if new[:2] != known[:2]:
+        return f"the entries changed from {list(known[1])} to {list(new[1])}"
+    changed = [
+        f"{_entry(new[0], name)} {tuple(a[0])} {str(a[1]).removeprefix('torch.')} "
+        f"(captured {tuple(b[0])} {str(b[1]).removeprefix('torch.')})"
+        for name, a, b in zip(new[1], new[2], known[2])
+        if a != b
+    ]
+    return "; ".join(changed)
+
+
+def _entry(kind: Kind, name: str) -> str:
+    return f"batch[{name!r}]" if kind == "mapping" else f"batch element {name}"

@@ -1,0 +1,781 @@
+"""Checkpoints that lose nothing, on ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint holds the model, optimizer and LR scheduler (through torch's
+``get_state_dict``/``set_state_dict``, keyed by parameter name), the :class:`TrainStep`'s counters,
+every rank's RNG states (CPU and its CUDA device), the data position (a :class:`ResumableLoader`
+or any object with ``state_dict``/``load_state_dict``), the step and the caller's ``extra`` values.
+
+Layout of ``directory``::
+
+    step-00000100/      one committed checkpoint: DCP's files, its ``.metadata``, ddpgraph.json
+    step-00000200/
+    latest              the newest committed directory's name (for people and tools)
+    .step-00000300.partial-<token>/   a save in progress, or one a crash interrupted
+
+A save writes into a ``.partial`` directory; once every rank's data and DCP's metadata are on
+disk, rank 0 writes ``ddpgraph.json`` and renames the directory to ``step-N``: a writer killed at
+any point before that rename leaves the earlier checkpoints as they were and loadable. Loading
+takes the newest ``step-N`` that has both metadata files, and copies the values into the
+tensors the model and optimizer already hold, so CUDA graphs captured over them stay valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ._log import get_logger
+from .errors import ConfigError
+
+__all__ = [
+    "CheckpointError",
+    "ResumableLoader",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
+
+MANIFEST = "ddpgraph.json"
+LATEST = "latest"
+FORMAT_VERSION = 1
+_DCP_METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_RESERVED_EXTRA = frozenset({"path"})  # keys load_checkpoint's result already uses
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint cannot be saved or does not fit the job loading it (world size, model)."""
+
+
+# ---------------------------------------------------------------- the data position
+
+
+class ResumableLoader:
+    """Iterates a data loader epoch by epoch and remembers how far training got, for exact resume.
+
+    ``iter(loader)`` runs one epoch: it calls ``sampler.set_epoch(epoch)`` (a
+    ``DistributedSampler``'s shuffle depends on it) and yields the loader's batches, counting
+    them. After a :func:`load_checkpoint`, the next epoch starts at the saved epoch and skips the
+    batches already trained on, so a resumed run sees exactly the batches an uninterrupted one
+    would. Skipped batches are drawn and dropped (they cost loading time, not training).
+
+    Wrap the loader outermost (around any prefetching), so that what is counted is what the
+    training step consumed, and save checkpoints after the step that used the batch.
+    ``sampler`` defaults to ``loader.sampler``.
+    """
+
+    def __init__(self, loader: Iterable[Any], *, sampler: Any = None) -> None:
+        self.loader = loader
+        self.sampler = sampler if sampler is not None else getattr(loader, "sampler", None)
+        self.epoch = 0
+        self.batches = 0  # batches of `epoch` handed out so far
+
+    def __iter__(self) -> Iterator[Any]:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self.epoch)
+        skip = self.batches
+        for i, batch in enumerate(self.loader):
+            if i < skip:
+                continue
+            self.batches = i + 1
+            yield batch
+        self.epoch += 1
+        self.batches = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.batches = int(state["batches"])
+
+
+# ---------------------------------------------------------------- finding checkpoints
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest committed checkpoint under ``directory`` (or ``directory`` itself), or None."""
+    root = Path(directory)
+    if _is_committed(root):
+        return root
+    found = sorted(_committed(root), key=lambda item: item[0])
+    return found[-1][1] if found else None
+
+
+def _committed(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    result = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and _is_committed(entry):
+            result.append((int(match.group(1)), entry))
+    return result
+
+
+def _is_committed(path: Path) -> bool:
+    return (path / _DCP_METADATA).is_file() and (path / MANIFEST).is_file()
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# ---------------------------------------------------------------- what goes in
+
+
+@dataclass
+class _Parts:
+    """The objects one checkpoint covers, resolved from the arguments."""
+
+    model: nn.Module | None
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    train_step: Any
+    loader: Any
+
+
+def _resolve(
+    caller: str,
+    train_step: Any,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    loader: Any,
+) -> _Parts:
+    if train_step is not None:
+        if model is not None or optimizer is not None:
+            raise ConfigError(
+                f"{caller}: pass train_step= or model=/optimizer=, not both; the TrainStep "
+                "already holds its model and optimizer."
+            )
+        if scheduler is not None and train_step.scheduler not in (None, scheduler):
+            raise ConfigError(
+                f"{caller}: scheduler= differs from the TrainStep's own scheduler; pass one."
+            )
+        model, optimizer = train_step.model, train_step.optimizer
+        scheduler = scheduler if scheduler is not None else train_step.scheduler
+    if model is None:
+        raise ConfigError(
+            f"{caller}: nothing to checkpoint; pass train_step=step, or model= (and optimizer=)."
+        )
+    if optimizer is None and scheduler is not None:
+        raise ConfigError(f"{caller}: scheduler= needs the optimizer it drives; pass optimizer=.")
+    for name, obj in (("loader", loader), ("scheduler", scheduler)):
+        if obj is not None and not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ConfigError(
+                f"{caller}: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+                + (
+                    "wrap the data loader in ddpgraph.ResumableLoader."
+                    if name == "loader"
+                    else "pass a torch.optim.lr_scheduler scheduler."
+                )
+            )
+    return _Parts(model, optimizer, scheduler, train_step, loader)
+
+
+def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
+    """The checkpoint's state dict; its tensors *are* the live ones, so DCP loads in place.
+
+    Model and optimizer come from torch's ``get_state_dict`` (keys are parameter names, DDP and
+    torch.compile prefixes removed). Per-rank entries (RNG, data position) are keyed by rank:
+    DCP keeps one copy of a key that every rank saves, which is right only for replicated state.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    assert parts.model is not None
+    optimizers = () if parts.optimizer is None else (parts.optimizer,)
+    if parts.optimizer is not None:
+        _create_optimizer_state(parts.optimizer)
+    model_state, optimizer_state = get_state_dict(parts.model, optimizers)
+    state: dict[str, Any] = {"model": model_state}
+    if parts.optimizer is not None:
+        # hyperparameters as one value: whether "lr" is a float or a tensor must not matter
+        groups = _Opaque(optimizer_state["param_groups"])
+        state["optimizer"] = {**optimizer_state, "param_groups": groups}
+    if parts.scheduler is not None:
+        # its _last_lr holds floats until the first step with a tensor LR, tensors after it
+        state["scheduler"] = _Opaque(parts.scheduler.state_dict())
+    if parts.train_step is not None:
+        state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
+    state["rng"] = {f"rank{rank}": _Opaque(_rng_state())}  # whole: with or without CUDA
+    if parts.loader is not None:
+        state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
+    return state
+
+
+class _Opaque:
+    """A value DCP stores whole (pickled) instead of flattening it key by key.
+
+    DCP loads a flattened entry only where the live object has the same structure; the
+    scheduler's or a loader's state changes shape during training (a float becomes a tensor, a
+    list grows), which a resumed process has not seen yet. Tensors inside go to the CPU: DCP
+    writes replicated values from rank 0, and a CUDA tensor would load onto rank 0's GPU.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = _on_cpu(value)
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
+
+
+def _opened(value: Any) -> Any:
+    return value.value if isinstance(value, _Opaque) else value
+
+
+def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that has not stepped yet its state tensors, to be saved or loaded into.
+
+    torch's ``get_state_dict`` does this itself with one step of zero gradients at LR 0, but it
+    sets a tensor LR to a new *CPU* tensor for that step, which a graph-safe optimizer on CUDA
+    (LR on the device, fused or capturable kernels) may refuse. Here the LR tensor is zeroed in
+    place instead. The parameters do not change: the gradients and the LR are zero.
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if not params or any(p.grad is not None for p in params):
+        return  # as torch's rule: gradients mean a step is under way; leave the optimizer be
+    saved = []
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        saved.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+        if isinstance(lr, torch.Tensor):
+            lr.zero_()
+        else:
+            group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, saved):
+        if isinstance(lr, torch.Tensor):
+            group["lr"].copy_(lr)
+        else:
+            group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return state
+
+
+def _set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"], torch.cuda.current_device())
+
+
+# ---------------------------------------------------------------- process group
+
+
+def _group() -> tuple[int, int, bool]:
+    """(rank, world_size, distributed) of the default group, or a single process without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+_async_group: tuple[Any, Any] = (None, None)  # (default group, its gloo group for async saves)
+_pending: Future[Path] | None = None
+
+
+def _checkpoint_group() -> Any:
+    """A gloo group for async saves, made once per process group (a collective: every rank
+    saves together).
+
+    DCP's background thread runs collectives; on the training group they would interleave with
+    the training's own and hang or corrupt both. gloo because async_save needs a CPU backend.
+    """
+    global _async_group
+    world = dist.group.WORLD
+    if _async_group[0] is not world:  # first save, or a new init() since the last
+        _async_group = (world, dist.new_group(backend="gloo"))
+    return _async_group[1]
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every call without a process group; world size 1 is a case ddpgraph supports.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def wait_for_pending_save() -> None:
+    """Block until the last ``async_save`` of this process is committed (re-raising its error)."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is not None:
+        pending.result()
+
+
+# ---------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    train_step: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    loader: Any = None,
+    keep_last: int | None = None,
+    async_save: bool = False,
+    **extra: Any,
+) -> Path | Future[Path]:
+    """Save a checkpoint of ``step`` as ``directory/step-NNNNNNNN``. Call on every rank, together.
+
+    Pass ``train_step=`` (its model, optimizer, scheduler and counters) or ``model=`` with
+    ``optimizer=``/``scheduler=``. ``loader``: the data position (a :class:`ResumableLoader`, or
+    anything with ``state_dict``/``load_state_dict``). ``extra``: JSON values returned by
+    :func:`load_checkpoint` (e.g. ``best_loss=0.3``). ``keep_last=k`` deletes all but the newest
+    ``k`` checkpoints after this one is committed.
+
+    Returns the committed directory. With ``async_save=True`` the state is copied to host memory
+    before returning and written by a background thread (``torch.distributed.checkpoint
+    .async_save``); a :class:`~concurrent.futures.Future` of the directory is returned, and the
+    checkpoint is committed once rank 0's future is done. The next save or load waits for it.
+    """
+    _check_save_options(step, keep_last, async_save, extra)
+    parts = _resolve("save_checkpoint", train_step, model, optimizer, scheduler, loader)
+    wait_for_pending_save()
+    root = Path(directory)
+    rank, world_size, distributed = _group()
+    partial = root / _agreed_partial_name(step, distributed)
+    state = _live_state(parts, rank)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "saved_at": time.time(),
+        "extra": extra,
+    }
+    if async_save:
+        return _save_async(state, root, partial, step, manifest, keep_last, rank, distributed)
+    _write(state, partial, distributed)
+    error = _commit_on_rank0(rank, root, partial, step, manifest, keep_last)
+    if distributed:
+        # every rank learns whether rank 0's commit worked, so all raise alike or none does
+        from .objects import broadcast_object
+
+        error = broadcast_object(error, src=0)
+    if error is not None:
+        raise CheckpointError(error)
+    final = root / step_dir_name(step)
+    get_logger().info("saved checkpoint of step %d in %s", step, final)
+    return final
+
+
+def _check_save_options(
+    step: object, keep_last: object, async_save: object, extra: Mapping[str, Any]
+) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"save_checkpoint: step={step!r} must be an integer >= 0.")
+    if keep_last is not None and (
+        not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
+    ):
+        raise ConfigError(
+            f"save_checkpoint: keep_last={keep_last!r} must be an integer >= 1 or None."
+        )
+    if not isinstance(async_save, bool):
+        raise ConfigError(f"save_checkpoint: async_save={async_save!r} must be True or False.")
+    for key, value in extra.items():
+        if key in _RESERVED_EXTRA:
+            raise ConfigError(
+                f"save_checkpoint: extra key {key!r} is reserved (load_checkpoint returns it); "
+                "rename it."
+            )
+        try:
+            json.dumps(value, allow_nan=True)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"save_checkpoint: extra value {key}={type(value).__name__} is not JSON ({exc}); "
+                "pass numbers, strings, lists or dicts (tensors belong in the model or optimizer)."
+            ) from None
+
+
+def _agreed_partial_name(step: int, distributed: bool) -> str:
+    """The in-progress directory's name, the same on every rank; every rank's step must agree."""
+    name = f".{step_dir_name(step)}.partial-{uuid.uuid4().hex[:8]}"
+    if not distributed:
+        return name
+    from .objects import all_gather_object
+
+    proposals = all_gather_object((step, name))
+    steps = [s for s, _ in proposals]
+    if len(set(steps)) != 1:
+        raise CheckpointError(
+            f"save_checkpoint: ranks passed different steps {dict(enumerate(steps))}; every rank "
+            "must save the same step, at the same point of training."
+        )
+    return str(proposals[0][1])
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    # DCP writes a key every rank holds once, from a rank of its choosing. DDP replicas are not
+    # all equal: BatchNorm's running stats differ per rank until the next forward broadcasts
+    # rank 0's. Rank 0's copy is the one training continues from, so rank 0 writes them.
+    return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+
+
+def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+
+
+def _save_async(
+    state: dict[str, Any],
+    root: Path,
+    partial: Path,
+    step: int,
+    manifest: dict[str, Any],
+    keep_last: int | None,
+    rank: int,
+    distributed: bool,
+) -> Future[Path]:
+    global _pending
+    import torch.distributed.checkpoint as dcp
+
+    group = _checkpoint_group() if distributed else None
+    if not distributed:
+        # the writer thread warns again after _quiet_single_process has ended; world size 1
+        # without a process group is a supported case, not a mistake
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", module="torch.distributed"
+        )
+    with _quiet_single_process():
+        response: Any = dcp.async_save(
+            state,
+            checkpoint_id=partial,
+            planner=_planner(),
+            process_group=group,
+            no_dist=not distributed,
+        )
+    upload: Future[Any] = getattr(response, "upload_completion", response)
+    done: Future[Path] = Future()
+
+    def commit(finished: Future[Any]) -> None:
+        # runs on DCP's writer thread once this rank's part (and, on rank 0, the metadata) is on disk
+        try:
+            finished.result()
+            error = _commit_on_rank0(rank, root, partial, step, manifest, keep_last)
+            if error is not None:
+                raise CheckpointError(error)
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(root / step_dir_name(step))
+
+    upload.add_done_callback(commit)
+    _pending = done
+    return done
+
+
+def _commit_on_rank0(
+    rank: int,
+    root: Path,
+    partial: Path,
+    step: int,
+    manifest: dict[str, Any],
+    keep_last: int | None,
+) -> str | None:
+    """Rank 0: manifest, rename to ``step-N``, ``latest``, pruning. Returns an error text or None.
+
+    DCP's save returns on rank 0 only after every rank's data and the metadata are written, so
+    the rename is the single moment the checkpoint becomes visible.
+    """
+    if rank != 0:
+        return None
+    final = root / step_dir_name(step)
+    try:
+        _write_synced(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        if final.exists():  # a resumed run saving a step again: replace the older copy
+            stale = root / f".{final.name}.replaced-{uuid.uuid4().hex[:8]}"
+            os.rename(final, stale)
+            os.rename(partial, final)
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            os.rename(partial, final)
+        _fsync_dir(root)
+        _write_synced(root / LATEST, final.name + "\n", atomic=True)
+        _prune(root, keep_last)
+    except OSError as exc:
+        return (
+            f"could not commit the checkpoint of step {step} in {root}: {exc}; check that the "
+            "directory is writable and has space."
+        )
+    return None
+
+
+def _write_synced(path: Path, text: str, *, atomic: bool = False) -> None:
+    target = path.with_name(path.name + ".tmp") if atomic else path
+    with open(target, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    if atomic:
+        os.replace(target, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(root: Path, keep_last: int | None) -> None:
+    # partial directories left by crashed saves: no save runs now (saves are serialised)
+    for entry in root.iterdir():
+        if entry.name.startswith(".step-") and (
+            ".partial-" in entry.name or ".replaced-" in entry.name
+        ):
+            shutil.rmtree(entry, ignore_errors=True)
+    if keep_last is None:
+        return
+    ordered = sorted(_committed(root), key=lambda item: item[0])
+    for _, path in ordered[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    train_step: Any = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    loader: Any = None,
+) -> dict[str, Any]:
+    """Load the newest committed checkpoint in ``directory`` (or that checkpoint directory itself).
+
+    Call on every rank, with the same objects :func:`save_checkpoint` got. Values are copied into
+    the tensors the model and optimizer already hold (their ``data_ptr`` do not change), so a
+    captured TrainStep keeps replaying without re-capture. Also restores the scheduler, the
+    TrainStep's counters, this rank's RNG states and the data position.
+
+    Returns ``{"step": ..., "path": ..., **extra}``. Raises :class:`CheckpointError` when there is
+    no checkpoint, or it was saved by another world size or for another model (naming the
+    mismatching keys or shapes). Non-tensor values are unpickled: load only checkpoints you trust.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    parts = _resolve("load_checkpoint", train_step, model, optimizer, scheduler, loader)
+    wait_for_pending_save()
+    rank, world_size, distributed = _group()
+    path = _agreed_latest(directory, distributed)
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"{path} was saved by {manifest['world_size']} rank(s), this job has {world_size}; "
+            f"resume with {manifest['world_size']} ranks (e.g. --nproc {manifest['world_size']}): "
+            "RNG states and data positions are per rank."
+        )
+    state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
+    before = _tensor_identities(parts.optimizer)
+    _raise_on_any_rank(_misfit(path, state), distributed)
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    _apply(parts, state, rank, before)
+    get_logger().info("loaded checkpoint of step %d from %s", manifest["step"], path)
+    return {**manifest.get("extra", {}), "step": int(manifest["step"]), "path": path}
+
+
+def _agreed_latest(directory: str | os.PathLike[str], distributed: bool) -> Path:
+    """The checkpoint every rank loads; every rank raises alike when there is none or they differ."""
+    path = latest_checkpoint(directory)
+    seen = [path]
+    if distributed:
+        from .objects import all_gather_object
+
+        seen = [None if p is None else Path(p) for p in all_gather_object(path and str(path))]
+    if any(p is None for p in seen):
+        missing = [r for r, p in enumerate(seen) if p is None]
+        where = "" if len(seen) == 1 else f" (as seen by ranks {missing})"
+        raise CheckpointError(
+            f"no checkpoint in {directory}{where} (looked for step-N directories with "
+            f"{MANIFEST}); save one with ddpgraph.save_checkpoint first, or start without resuming."
+        )
+    if len(set(seen)) != 1:
+        raise CheckpointError(
+            f"ranks see different newest checkpoints {dict(enumerate(map(str, seen)))}; put "
+            f"{directory} on a file system every rank shares."
+        )
+    assert path is not None
+    return path
+
+
+def _raise_on_any_rank(problem: str | None, distributed: bool) -> None:
+    """Raise ``problem`` on every rank when any rank has one (the others would wait in DCP)."""
+    problems = {0: problem}
+    if distributed:
+        from .objects import all_gather_object
+
+        problems = dict(enumerate(all_gather_object(problem)))
+    found = {rank: text for rank, text in problems.items() if text is not None}
+    if not found:
+        return
+    first = min(found)
+    ranks = "" if len(problems) == 1 else f"on rank(s) {sorted(found)}: "
+    raise CheckpointError(ranks + str(found[first]))
+
+
+def _misfit(path: Path, state: dict[str, Any]) -> str | None:
+    """Missing or unexpected keys and shape mismatches of model and optimizer, named, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    wanted, _ = flatten_state_dict({k: state[k] for k in ("model", "optimizer") if k in state})
+    # the model first: when it differs, the optimizer's differences only repeat it. Of the
+    # optimizer, its per-parameter state only: hyperparameter keys vary across torch versions.
+    for part, prefix in (("model", "model."), ("optimizer", "optimizer.state.")):
+        if part not in state:
+            continue  # not asked for: a model can be loaded without its optimizer
+        mine = {k for k in wanted if k.startswith(prefix)}
+        theirs = {k for k in saved if k.startswith(prefix)}
+        problems = []
+        if mine - theirs:
+            problems.append(f"keys missing from the checkpoint: {_few(sorted(mine - theirs))}")
+        if theirs - mine:
+            problems.append(f"keys in the checkpoint but not here: {_few(sorted(theirs - mine))}")
+        shapes = [
+            f"{key} (checkpoint {size}, here {shape})"
+            for key in sorted(mine & theirs)
+            for size, shape in [_shapes(saved[key], wanted[key])]
+            if size != shape
+        ]
+        if shapes:
+            problems.append(f"shapes differ: {_few(shapes)}")
+        if problems:
+            return (
+                f"{path} does not fit this {part}: {'; '.join(problems)}. Build the model and "
+                "optimizer the same way as the run that saved it, or start without resuming."
+            )
+    return None
+
+
+def _shapes(saved: Any, value: Any) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(saved shape, our shape) of a tensor entry; (None, None) for other values."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if isinstance(saved, TensorStorageMetadata) and isinstance(value, torch.Tensor):
+        return tuple(saved.size), tuple(value.shape)
+    return None, None
+
+
+def _few(keys: list[str], limit: int = 4) -> str:
+    shown = ", ".join(keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def _tensor_identities(
+    optimizer: torch.optim.Optimizer | None,
+) -> dict[tuple[int, str], torch.Tensor]:
+    """The optimizer's state and LR tensors by (slot, key), to keep them after loading."""
+    if optimizer is None:
+        return {}
+    found: dict[tuple[int, str], torch.Tensor] = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                found[(i, key)] = value
+    for g, group in enumerate(optimizer.param_groups):
+        if isinstance(group.get("lr"), torch.Tensor):
+            found[(-1 - g, "lr")] = group["lr"]
+    return found
+
+
+def _apply(
+    parts: _Parts, state: dict[str, Any], rank: int, before: dict[tuple[int, str], torch.Tensor]
+) -> None:
+    """After DCP filled the tensors: the non-tensor values, through torch's own loaders."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    assert parts.model is not None
+    optimizers = () if parts.optimizer is None else (parts.optimizer,)
+    optimizer_state = dict(state.get("optimizer", {}))
+    if optimizer_state:
+        optimizer_state["param_groups"] = _opened(optimizer_state["param_groups"])
+    set_state_dict(
+        parts.model, optimizers, model_state_dict=state["model"], optim_state_dict=optimizer_state
+    )
+    if parts.optimizer is not None:
+        _restore_identities(parts.optimizer, before)
+    if parts.scheduler is not None:
+        parts.scheduler.load_state_dict(_opened(state["scheduler"]))
+    if parts.train_step is not None:
+        # TrainStep's own in-place load: re-reads the optimizer's LR tensors and replay guard
+        own = parts.train_step.state_dict()
+        own["steps"] = int(_opened(state["train_step"])["steps"])
+        parts.train_step.load_state_dict(own)
+    if parts.loader is not None:
+        parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
+    _set_rng_state(_opened(state["rng"][f"rank{rank}"]))
+
+
+def _restore_identities(
+    optimizer: torch.optim.Optimizer, before: dict[tuple[int, str], torch.Tensor]
+) -> None:
+    """Put the loaded values back into the tensors a captured graph reads.
+
+    ``Optimizer.load_state_dict`` (inside ``set_state_dict``) deep-copies the param groups, so a
+    device LR tensor becomes a new tensor; state tensors may be replaced too.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        slots = optimizer.state.get(param, {})
+        for key, value in list(slots.items()):
+            old = before.get((i, key))
+            if old is not None and isinstance(value, torch.Tensor) and value is not old:
+                old.copy_(value)
+                slots[key] = old
+    for g, group in enumerate(optimizer.param_groups):
+        old = before.get((-1 - g, "lr"))
+        if old is not None and group["lr"] is not old:
+            old.fill_(float(group["lr"]))
+            group["lr"] = old

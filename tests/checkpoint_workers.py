@@ -1,0 +1,177 @@
+"""Module-level workers for the checkpoint tests (run by run_distributed on gloo, or in-process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import ddpgraph
+from ddpgraph import ResumableLoader, TrainStep, load_checkpoint, save_checkpoint
+
+
+class Job:
+    """A small model with BatchNorm, Adam, a scheduler, a TrainStep and a data loader."""
+
+    def __init__(self, seed: int = 0, width: int = 16) -> None:
+        torch.manual_seed(seed)
+        self.model = _bare_model(width)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=3, gamma=0.5)
+        self.step = TrainStep(
+            self.model, self.optimizer, nn.CrossEntropyLoss(), scheduler=self.scheduler
+        )
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+        self.batches = ResumableLoader(_Epochs(_batches(5, gen)))
+        # ranks draw different dropout masks: a restored RNG must be the rank's own
+        torch.manual_seed(100 + rank)
+
+    def train(self, steps: int) -> None:
+        done = 0
+        while done < steps:
+            for x, y in self.batches:
+                self.step(x, y)
+                self.scheduler.step()
+                done += 1
+                if done == steps:
+                    return
+
+    def save(self, directory: str | Path, step: int, **kwargs: Any) -> Any:
+        return save_checkpoint(
+            directory, step=step, train_step=self.step, loader=self.batches, **kwargs
+        )
+
+    def load(self, directory: str | Path) -> dict[str, Any]:
+        return load_checkpoint(directory, train_step=self.step, loader=self.batches)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Parameters, buffers and optimizer state: everything a captured graph reads."""
+        state = [v for s in self.optimizer.state.values() for v in s.values()]
+        lrs = [g["lr"] for g in self.optimizer.param_groups if isinstance(g["lr"], torch.Tensor)]
+        return [*self.model.state_dict().values(), *state, *lrs]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "tensors": [t.detach().clone() for t in self.tensors()],
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "steps": self.step.report().steps,
+            "position": self.batches.state_dict(),
+        }
+
+
+class _Epochs:
+    """A fixed list of batches, iterable once per epoch, like a DataLoader without shuffling."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _batches(n: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        (torch.randn(8, 8, generator=gen), torch.randint(4, (8,), generator=gen)) for _ in range(n)
+    ]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---- multi-rank workers ----
+
+
+def save_at_then_finish(directory: str, at: int, total: int, async_save: bool = False) -> dict:
+    """Train to ``at``, save, train to ``total``; the reference an exact resume must match."""
+    job = Job()
+    job.train(at)
+    saved = job.save(directory, at, async_save=async_save, keep_last=2, note="hello")
+    job.train(total - at)  # an async save writes while training goes on
+    if async_save:
+        saved = saved.result()
+        ddpgraph.checkpoint.wait_for_pending_save()
+    final = job.snapshot()
+    final["random"] = torch.rand(3)
+    final["saved"] = str(saved)
+    return final
+
+
+def load_then_finish(directory: str, total: int) -> dict:
+    """Train two other steps first (a different state), load, then train to ``total``."""
+    job = Job(seed=7)
+    job.train(2)
+    before = [t.data_ptr() for t in job.tensors()]
+    state = job.load(directory)
+    after = [t.data_ptr() for t in job.tensors()]
+    job.train(total - state["step"])
+    final = job.snapshot()
+    final["random"] = torch.rand(3)
+    final["pointers_kept"] = before == after
+    final["loaded"] = {k: str(v) if isinstance(v, Path) else v for k, v in state.items()}
+    return final
+
+
+def train_only(steps: int) -> list[torch.Tensor]:
+    job = Job()
+    job.train(steps)
+    return job.snapshot()["tensors"]
+
+
+def die_during_second_save(directory: str, victim: int, where: str) -> None:
+    """Save step 2; during the save of step 4, SIGKILL rank ``victim`` at ``where``."""
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    job = Job()
+    job.train(2)
+    job.save(directory, 2)
+    job.train(2)
+    if torch.distributed.get_rank() == victim:
+        if where == "write":  # while DCP writes this rank's tensors
+            original = dcp_fs.FileSystemWriter.write_data
+
+            def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+                original(self, plan, planner)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            dcp_fs.FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+        else:  # rank 0, after every rank's data and the metadata, before the rename
+            ddpgraph.checkpoint._commit_on_rank0 = _die  # type: ignore[attr-defined]
+    job.save(directory, 4)
+
+
+def _die(*args: Any, **kwargs: Any) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def load_expecting_error(
+    directory: str, width: int = 16, only_rank: int | None = None
+) -> BaseException | None:
+    """Load into a job whose model may differ (``width``), on every rank or on ``only_rank``.
+
+    DDP itself refuses parameters that differ across ranks, so the one-rank case loads a bare
+    model (``model=``), as an application with its own replication might.
+    """
+    try:
+        if only_rank is None:
+            Job(width=width).load(directory)
+        else:
+            rank = torch.distributed.get_rank()
+            load_checkpoint(directory, model=_bare_model(width if rank == only_rank else 16))
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _bare_model(width: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4)
+    )

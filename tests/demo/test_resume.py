@@ -1,0 +1,161 @@
+"""``ddpgraph train`` resumes exactly: after --stop-after/--resume and after a rank is SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ddpgraph import latest_checkpoint
+from ddpgraph.cli import cli
+from ddpgraph.demo.train import TrainConfig, run_worker
+from ddpgraph.testing import run_distributed
+
+STEPS = 200  # ~2 s of training on 2 CPU ranks: room to kill a rank after the first checkpoint
+
+
+def run_job(out: Path, **options: object) -> list[dict]:
+    """The workers of ``ddpgraph train`` without the CLI and elastic agent (seconds faster)."""
+    config = TrainConfig(steps=STEPS, out=str(out), **options)  # type: ignore[arg-type]
+    return run_distributed(run_worker, 2, init=False, args=(config,), timeout=120)
+
+
+def final_hash(out: Path, steps: int = STEPS) -> str:
+    run = json.loads((out / "run.json").read_text())
+    assert run["steps_done"] == steps
+    assert {r["params_sha256"] for r in run["ranks"]} == {run["params_sha256"]}  # replicas agree
+    return str(run["params_sha256"])
+
+
+@pytest.mark.timeout(200)
+def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path):
+    whole = tmp_path / "whole"
+    run_job(whole)
+    reference = final_hash(whole)
+
+    # stopped at step 70 with a checkpoint, then resumed by a new job
+    parts = tmp_path / "parts"
+    run_job(parts, stop_after=70)
+    assert final_hash(parts, 70) != reference
+    metrics = run_job(parts, resume=True)
+    assert [m["resumed_from"] for m in metrics] == [70, 70]
+    assert final_hash(parts) == reference
+
+    # a rank SIGKILLed mid-run: torch's elastic agent restarts both, they resume and finish
+    killed = tmp_path / "killed"
+    job = _start("--steps", str(STEPS), "--checkpoint-every", "25", "--max-restarts", "1",
+                 "--out", str(killed))  # fmt: skip
+    try:
+        _wait_for_checkpoint(killed / "checkpoints", job)
+        os.kill(_a_worker_pid(job.pid), signal.SIGKILL)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, stderr[-3000:]
+    assert "saved checkpoint of step 25 in" in stderr  # ddpgraph's log line, rank 0
+    assert "resuming after a restart from step" in stdout, stdout[-2000:]
+    run = json.loads((killed / "run.json").read_text())
+    assert all(r["resumed_from"] > 0 for r in run["ranks"])
+    assert final_hash(killed) == reference
+
+
+def _start(*args: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "ddpgraph", "train", "--nproc", "2", *args]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the finally above can end all of it
+    )
+
+
+def _wait_for_checkpoint(directory: Path, job: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while latest_checkpoint(directory) is None:
+        assert job.poll() is None, "the job ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint within 60 s"
+        time.sleep(0.01)
+
+
+def _a_worker_pid(launcher: int) -> int:
+    """The pid of the launcher's second training worker (read from /proc: Linux only).
+
+    torch's agent sets RANK inside the worker after it starts, so /proc/PID/environ does not
+    show it; the workers are the launcher's multiprocessing-spawn children, started in order.
+    """
+    workers = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline and _descends_from(int(entry.name), launcher):
+            workers.append(int(entry.name))
+    assert len(workers) == 2, f"expected 2 workers under pid {launcher}, found {workers}"
+    return max(workers)
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            # the parent pid is the 4th field, after "(comm)", which may itself hold spaces
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _fake_checkpoint(out: Path, *, world_size: int = 2, **config: object) -> None:
+    """What the launcher reads before starting workers: a committed directory and its manifest."""
+    step = out / "checkpoints" / "step-00000010"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    saved = {"model": "mlp", "steps": 300, "batch_size": 64, "lr": 0.05, "seed": 0, **config}
+    manifest = {"step": 10, "world_size": world_size, "extra": {"config": saved}}
+    (step / "ddpgraph.json").write_text(json.dumps(manifest))
+
+
+def test_resume_problems_are_refused_before_any_worker_starts(tmp_path):
+    def train(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(cli, ["train", "--nproc", "2", *args])
+        return result.exit_code, result.output
+
+    code, output = train("--resume", "--out", str(tmp_path / "none"))
+    assert code == 2
+    assert f"--resume found no checkpoint in {tmp_path / 'none' / 'checkpoints'}" in output
+
+    code, output = train("--checkpoint-every", "0")
+    assert code == 2 and "Invalid value for '--checkpoint-every': 0 is not in the range" in output
+
+    code, output = train("--steps", "50", "--stop-after", "50", "--out", str(tmp_path / "a"))
+    assert code == 2 and "--stop-after 50 is not before --steps 50" in output
+
+    other = tmp_path / "other"
+    _fake_checkpoint(other, lr=0.1, model="resnet")
+    code, output = train("--resume", "--out", str(other))
+    assert code == 2
+    assert "was saved by a run with other options (--model resnet --lr 0.1)" in output
+
+    wider = tmp_path / "wider"
+    _fake_checkpoint(wider, world_size=4)
+    code, output = train("--resume", "--out", str(wider))
+    assert code == 2 and "was saved by 4 rank(s), this run has 2; resume with --nproc 4" in output
+
+    # a fresh run must not find another run's checkpoints: a restart would resume from them
+    code, output = train("--checkpoint-every", "5", "--out", str(wider))
+    assert code == 2
+    assert "already holds checkpoints (newest: step-00000010); pass --resume" in output

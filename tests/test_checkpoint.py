@@ -1,0 +1,272 @@
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+import ddpgraph
+from ddpgraph import CheckpointError, ConfigError, latest_checkpoint
+from ddpgraph.testing import WorkerError, run_distributed
+
+from . import checkpoint_workers as workers
+from .checkpoint_workers import Job, same
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- one process, no process group ----
+
+
+def test_a_resumed_job_continues_bitwise_like_one_that_never_stopped(tmp_path):
+    reference = workers.save_at_then_finish(str(tmp_path), at=4, total=9)
+    resumed = workers.load_then_finish(str(tmp_path), total=9)
+    assert same(resumed["tensors"], reference["tensors"])  # params, BN buffers, Adam state
+    assert torch.equal(resumed["random"], reference["random"])  # RNG states restored
+    assert resumed["lr"] == reference["lr"] and resumed["steps"] == reference["steps"] == 9
+    assert resumed["position"] == reference["position"] == {"epoch": 1, "batches": 4}
+    assert resumed["loaded"]["step"] == 4 and resumed["loaded"]["note"] == "hello"
+    assert resumed["loaded"]["path"] == reference["saved"] == str(tmp_path / "step-00000004")
+
+
+def test_loading_without_the_checkpoint_would_not_match(tmp_path):
+    # the equality above is not a property of the job: a job that starts over ends elsewhere
+    reference = workers.save_at_then_finish(str(tmp_path), at=4, total=9)
+    job = Job(seed=7)
+    job.train(2)
+    job.train(5)
+    assert not same(job.snapshot()["tensors"], reference["tensors"])
+
+
+def test_loading_keeps_every_tensor_a_graph_would_read(tmp_path):
+    """Parameters, buffers, optimizer state and a device-style LR tensor keep their storage."""
+    job = Job()
+    job.optimizer.param_groups[0]["lr"] = torch.tensor(0.01)  # as TrainStep puts it on CUDA
+    job.train(3)
+    job.save(tmp_path, 3)
+    expected = [t.clone() for t in job.tensors()]
+    job.train(2)
+    tensors = job.tensors()
+    pointers = [t.data_ptr() for t in tensors]
+    job.load(tmp_path)
+    assert [t.data_ptr() for t in job.tensors()] == pointers
+    # the optimizer holds the very same tensor objects (state_dict() makes new views of params)
+    n = len(job.model.state_dict())
+    assert all(a is b for a, b in zip(job.tensors()[n:], tensors[n:]))
+    assert isinstance(job.optimizer.param_groups[0]["lr"], torch.Tensor)
+    assert same(job.tensors(), expected)
+
+
+def test_a_fresh_optimizer_gets_its_state_without_losing_its_lr_tensor(tmp_path):
+    job = Job()
+    job.optimizer.param_groups[0]["lr"] = torch.tensor(0.01)
+    job.train(3)
+    job.save(tmp_path, 3)
+    expected = [t.clone() for t in job.tensors()]
+    fresh = Job()  # has never stepped: no optimizer state yet
+    lr = fresh.optimizer.param_groups[0]["lr"] = torch.tensor(0.02)
+    params = [p.detach().clone() for p in fresh.model.parameters()]
+    assert not fresh.optimizer.state
+    ddpgraph.save_checkpoint(
+        tmp_path / "fresh", step=0, model=fresh.model, optimizer=fresh.optimizer
+    )
+    assert same([p.detach() for p in fresh.model.parameters()], params)  # zero LR, zero grads
+    assert fresh.optimizer.param_groups[0]["lr"] is lr and torch.equal(lr, torch.tensor(0.02))
+    assert all(p.grad is None for p in fresh.model.parameters())
+    fresh.load(tmp_path)
+    assert fresh.optimizer.param_groups[0]["lr"] is lr
+    assert same(fresh.tensors(), expected)
+
+
+def test_rng_states_and_python_random_are_restored(tmp_path):
+    job = Job()
+    job.train(1)
+    job.save(tmp_path, 1)
+    expected = (torch.rand(2), random.random())
+    torch.rand(5)
+    random.random()
+    job.load(tmp_path)
+    assert torch.equal(torch.rand(2), expected[0]) and random.random() == expected[1]
+
+
+def test_model_only_and_optimizer_without_train_step(tmp_path):
+    job = Job()
+    job.train(2)
+    ddpgraph.save_checkpoint(tmp_path, step=2, model=job.model, optimizer=job.optimizer)
+    expected = [t.clone() for t in job.tensors()]
+    job.train(2)
+    state = ddpgraph.load_checkpoint(tmp_path, model=job.model, optimizer=job.optimizer)
+    assert state["step"] == 2 and same(job.tensors(), expected)
+    job.train(1)
+    ddpgraph.load_checkpoint(tmp_path, model=job.model)  # the model alone, optimizer left as is
+    n = len(job.model.state_dict())
+    assert same(job.tensors()[:n], expected[:n]) and not same(job.tensors(), expected)
+
+
+def test_keep_last_prunes_and_latest_names_the_newest(tmp_path):
+    job = Job()
+    for step in (1, 2, 3, 4):
+        job.train(1)
+        job.save(tmp_path, step, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-00000003", "step-00000004"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000004"
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    manifest = json.loads((tmp_path / "step-00000004" / "ddpgraph.json").read_text())
+    assert manifest["step"] == 4 and manifest["world_size"] == 1
+
+
+def test_a_partial_or_damaged_directory_is_never_loaded(tmp_path):
+    job = Job()
+    job.train(1)
+    job.save(tmp_path, 1)
+    # what a crash leaves: a partial save, and a step directory without its metadata
+    (tmp_path / ".step-00000009.partial-abc").mkdir()
+    (tmp_path / "step-00000008").mkdir()
+    (tmp_path / "step-00000008" / ".metadata").write_text("")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000001"
+    assert job.load(tmp_path)["step"] == 1
+    job.save(tmp_path, 2)  # the next commit clears what crashed saves left behind
+    assert not (tmp_path / ".step-00000009.partial-abc").exists()
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    job = Job()
+    job.train(1)
+    job.save(tmp_path, 1)
+    job.train(1)
+    job.save(tmp_path, 1)  # e.g. a resumed run passing the same step again
+    expected = [t.clone() for t in job.tensors()]
+    job.train(1)
+    job.load(tmp_path)
+    assert same(job.tensors(), expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+
+
+def test_async_save_returns_a_future_of_the_committed_directory(tmp_path):
+    job = Job()
+    job.train(2)
+    expected = [t.clone() for t in job.tensors()]
+    future = job.save(tmp_path, 2, async_save=True)
+    job.train(2)  # training goes on while the copy is written
+    assert future.result(timeout=60) == tmp_path / "step-00000002"
+    job.load(tmp_path)
+    assert same(job.tensors(), expected)
+
+
+def test_another_model_is_refused_naming_the_mismatch(tmp_path):
+    job = Job()
+    job.train(1)
+    job.save(tmp_path, 1)
+    error = workers.load_expecting_error(str(tmp_path), width=32)
+    assert isinstance(error, CheckpointError)
+    text = str(error)
+    assert (
+        "does not fit this model: shapes differ: model.0.bias (checkpoint (16,), here (32,))"
+        in text
+    )
+    assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in text
+    assert "Build the model" in text
+
+    other = torch.nn.Linear(8, 4)
+    with pytest.raises(CheckpointError) as info:
+        ddpgraph.load_checkpoint(tmp_path, model=other)
+    assert "keys missing from the checkpoint: model.bias, model.weight; keys in the checkpoint" in (
+        str(info.value)
+    )
+    assert "model.0.bias, model.0.weight, model.1.bias, model.1.num_batches_tracked and 5 more" in (
+        str(info.value)
+    )
+
+
+def test_no_checkpoint_is_a_clear_error(tmp_path):
+    job = Job()
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .*start without resuming"):
+        job.load(tmp_path / "empty")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"step": -1}, "step=-1 must be an integer >= 0"),
+        ({"step": 1.5}, "step=1.5 must be an integer"),
+        ({"step": 1, "keep_last": 0}, "keep_last=0 must be an integer >= 1"),
+        ({"step": 1, "async_save": "yes"}, "async_save='yes' must be True or False"),
+        ({"step": 1, "loss": torch.ones(1)}, "extra value loss=Tensor is not JSON"),
+        ({"step": 1, "path": "x"}, "extra key 'path' is reserved"),
+    ],
+)
+def test_bad_save_options_are_refused(tmp_path, kwargs, fragment):
+    job = Job()
+    with pytest.raises(ConfigError, match=None) as info:
+        ddpgraph.save_checkpoint(tmp_path, train_step=job.step, **kwargs)
+    assert fragment in str(info.value)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_what_to_save_must_be_unambiguous(tmp_path):
+    job = Job()
+    with pytest.raises(ConfigError, match="pass train_step= or model=/optimizer=, not both"):
+        ddpgraph.save_checkpoint(tmp_path, step=0, train_step=job.step, model=job.model)
+    with pytest.raises(ConfigError, match="nothing to checkpoint"):
+        ddpgraph.save_checkpoint(tmp_path, step=0)
+    with pytest.raises(ConfigError, match="loader=list has no state_dict"):
+        ddpgraph.save_checkpoint(tmp_path, step=0, model=job.model, loader=[1, 2])
+
+
+# ---- two gloo ranks ----
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_two_ranks_resume_exactly_each_with_its_own_rng(tmp_path, async_save):
+    directory = str(tmp_path)
+    reference = run_distributed(
+        workers.save_at_then_finish, 2, args=(directory, 4, 9, async_save), timeout=90
+    )
+    resumed = run_distributed(workers.load_then_finish, 2, args=(directory, 9), timeout=90)
+    for rank in (0, 1):
+        assert same(resumed[rank]["tensors"], reference[rank]["tensors"]), rank
+        assert torch.equal(resumed[rank]["random"], reference[rank]["random"]), rank
+        assert resumed[rank]["pointers_kept"] and resumed[rank]["loaded"]["step"] == 4
+    assert not torch.equal(reference[0]["random"], reference[1]["random"])  # per-rank RNG
+    assert same(reference[0]["tensors"][:4], reference[1]["tensors"][:4])  # DDP replicas agree
+
+
+def test_another_world_size_is_refused(tmp_path):
+    run_distributed(workers.save_at_then_finish, 2, args=(str(tmp_path), 2, 3), timeout=90)
+    error = workers.load_expecting_error(str(tmp_path))
+    assert isinstance(error, CheckpointError)
+    assert "was saved by 2 rank(s), this job has 1; resume with 2 ranks" in str(error)
+
+
+def test_every_rank_refuses_another_model(tmp_path):
+    run_distributed(workers.save_at_then_finish, 2, args=(str(tmp_path), 2, 3), timeout=90)
+    for only_rank, ranks in ((None, "[0, 1]"), (1, "[1]")):  # a model differing on one rank too
+        errors = run_distributed(
+            workers.load_expecting_error, 2, args=(str(tmp_path), 32, only_rank), timeout=90
+        )
+        assert all(isinstance(e, CheckpointError) for e in errors), errors
+        assert len({str(e) for e in errors}) == 1
+        assert str(errors[0]).startswith(f"on rank(s) {ranks}: ")
+        assert "model.0.weight (checkpoint (16, 8), here (32, 8))" in str(errors[0])
+
+
+@pytest.mark.parametrize(("victim", "where"), [(1, "write"), (0, "commit")])
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(
+    tmp_path, victim, where
+):
+    directory = str(tmp_path)
+    with pytest.raises(WorkerError):
+        run_distributed(
+            workers.die_during_second_save, 2, args=(directory, victim, where), timeout=90
+        )
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    assert not (tmp_path / "step-00000004").exists()
+    assert list(tmp_path.glob(".step-00000004.partial-*"))  # the interrupted save, never loaded
+    # one step after loading: rank 1's BatchNorm stats are its own again only after a forward
+    resumed = run_distributed(workers.load_then_finish, 2, args=(directory, 3), timeout=90)
+    expected = run_distributed(workers.train_only, 2, args=(3,), timeout=90)
+    for rank in (0, 1):
+        assert resumed[rank]["loaded"]["step"] == 2
+        assert same(resumed[rank]["tensors"], expected[rank]), rank
