@@ -357,3 +357,17 @@ def test_a_barrier_lets_all_ranks_through_or_none():
     assert not late.done and late.gave_up == 0 and late.arrived == (0, 1)
     pending = _read_verdict(b"1 b\n", everyone)
     assert not pending.done and pending.gave_up is None and pending.arrived == (1,)
+
+
+def test_a_rank_that_cannot_reach_the_store_to_arrive_gets_a_collective_timeout():
+    from ddpgraph.runtime import store_barrier
+
+    class GoneStore:
+        def append(self, key, value):
+            raise RuntimeError("Connection reset by peer")
+
+    with pytest.raises(CollectiveTimeout, match=r"test barrier: this rank \(1\) could not reach"):
+        store_barrier(
+            GoneStore(), "k", rank=1, world_size=2, timeout=timedelta(seconds=1),
+            what="test barrier", fix="",
+        )  # fmt: skip

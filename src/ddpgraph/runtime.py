@@ -477,9 +477,8 @@ def check_unique_devices(
     entries = _parse_devices(arrived.payloads.values())
     # Rank 0 may host the store (a plain env:// job): were it to raise or return and exit at
     # once, a slower peer still waiting for the list would fail with "Connection closed" instead.
-    with contextlib.suppress(
-        CollectiveTimeout
-    ):  # a peer gone since: raise our own error regardless
+    # (a peer or the store gone since: raise this rank's own verdict regardless)
+    with contextlib.suppress(Exception):
         store_barrier(
             store,
             f"{key}/all-read",
@@ -553,7 +552,14 @@ def store_barrier(
     start = time.monotonic()
     deadline = start + timeout.total_seconds()
     log_key = f"{key}/log"
-    store.append(log_key, f"{rank} {payload}\n")  # type: ignore[attr-defined]  # not in the stubs
+    try:
+        store.append(log_key, f"{rank} {payload}\n")  # type: ignore[attr-defined]  # not in stubs
+    except Exception as exc:  # e.g. this rank is so late that the store's host has exited
+        raise CollectiveTimeout(
+            f"{what}: this rank ({rank}) could not reach the rendezvous store to arrive "
+            f"({_first_line(exc)}); in a plain env:// job rank 0 hosts it, and it may have "
+            "exited after timing out while this rank was late" + (f"; {fix}." if fix else "."),
+        ) from exc
     seen = _Verdict(False, (), {})
     pause = _BARRIER_FIRST_POLL_S
     while True:
@@ -608,6 +614,11 @@ def _read_verdict(raw: bytes, expected: frozenset[int]) -> _Verdict:
     return _Verdict(False, tuple(arrived), payloads)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _barrier_timeout(
     seen: _Verdict,
     expected: frozenset[int],
@@ -627,11 +638,10 @@ def _barrier_timeout(
             missing=[rank],
         )
     if store_error is not None:
-        cause = str(store_error).splitlines()[0] if str(store_error) else type(store_error).__name__
         when = (
-            f"{what}: the rendezvous store stopped answering while this rank waited ({cause}; in "
-            "a plain env:// job rank 0 hosts it and may have exited after its own timeout); at "
-            "this rank's last read"
+            f"{what}: the rendezvous store stopped answering while this rank waited "
+            f"({_first_line(store_error)}; in a plain env:// job rank 0 hosts it and may have "
+            "exited after its own timeout); at this rank's last read"
         )
     else:
         when = f"{what} timed out after {limit}:"

@@ -388,11 +388,14 @@ class Watchdog:
     def _warn_stall(self, hang: _Hang) -> None:
         beats = self._read_beats()
         slow = "" if beats is None else self._behind_text(beats, hang)
+        if slow:
+            outlook = "training goes on if they catch up"
+        else:  # e.g. a long first step (compiling, capturing) on every rank
+            outlook = "no rank is behind it (a long step everywhere, or a wait inside it)"
         get_logger().warning(
-            "ddpgraph watchdog: rank %d has been in %s for %.1fs%s; training goes on if they "
-            "catch up, and fails at %gs (timeout).",
-            self.rank, hang.where(), hang.age,
-            f"; behind: {slow}" if slow else "; no rank is known to be behind",
+            "ddpgraph watchdog: rank %d has been in %s for %.1fs%s; %s, and fails at %gs "
+            "(timeout) if this call has not returned.",
+            self.rank, hang.where(), hang.age, f"; behind: {slow}" if slow else "", outlook,
             self.timeout_s,
         )  # fmt: skip
 
