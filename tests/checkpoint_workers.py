@@ -175,3 +175,13 @@ def _bare_model(width: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4)
     )
+
+
+def save_a_rank_dependent_step(directory: str) -> BaseException | None:
+    """Rank r saves step r: a bug every rank must be told about, before anything is written."""
+    job = Job()
+    try:
+        job.save(directory, torch.distributed.get_rank())
+    except Exception as exc:
+        return exc
+    return None
