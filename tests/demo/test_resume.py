@@ -170,7 +170,7 @@ def test_timeout_reaches_init_and_run_json_records_the_hash(tmp_path, monkeypatc
 
     def init(**kwargs: object) -> ddpgraph.Runtime:
         seen.append(kwargs)
-        return real_init(**kwargs)  # type: ignore[arg-type]
+        return real_init(**kwargs)
 
     monkeypatch.setattr(ddpgraph, "init", init)
     run_worker(TrainConfig(steps=3, batch_size=16, out=str(tmp_path), timeout=7.5))
