@@ -144,7 +144,7 @@ def die_during_second_save(directory: str, victim: int, where: str) -> None:
 
             dcp_fs.FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
         else:  # rank 0, after every rank's data and the metadata, before the rename
-            ddpgraph.checkpoint._commit_on_rank0 = _die  # type: ignore[attr-defined]
+            ddpgraph.checkpoint._commit_on_rank0 = _die
     job.save(directory, 4)
 
 
@@ -175,3 +175,13 @@ def _bare_model(width: int) -> nn.Module:
     return nn.Sequential(
         nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4)
     )
+
+
+def save_a_rank_dependent_step(directory: str) -> BaseException | None:
+    """Rank r saves step r: a bug every rank must be told about, before anything is written."""
+    job = Job()
+    try:
+        job.save(directory, torch.distributed.get_rank())
+    except Exception as exc:
+        return exc
+    return None

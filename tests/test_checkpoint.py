@@ -270,3 +270,13 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(
     for rank in (0, 1):
         assert resumed[rank]["loaded"]["step"] == 2
         assert same(resumed[rank]["tensors"], expected[rank]), rank
+
+
+def test_every_rank_refuses_ranks_saving_different_steps(tmp_path):
+    errors = run_distributed(workers.save_a_rank_dependent_step, 2, args=(str(tmp_path),))
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
+    assert len({str(e) for e in errors}) == 1
+    assert "ranks passed different steps {0: 0, 1: 1}; every rank must save the same" in str(
+        errors[0]
+    )
+    assert not list(tmp_path.iterdir())

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -342,6 +342,54 @@ def wait_for_pending_save() -> None:
 
 
 # ---------------------------------------------------------------- save
+
+
+@overload
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    train_step: Any = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    scheduler: Any = ...,
+    loader: Any = ...,
+    keep_last: int | None = ...,
+    async_save: Literal[False] = ...,
+    **extra: Any,
+) -> Path: ...
+
+
+@overload
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    train_step: Any = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    scheduler: Any = ...,
+    loader: Any = ...,
+    keep_last: int | None = ...,
+    async_save: Literal[True],
+    **extra: Any,
+) -> Future[Path]: ...
+
+
+@overload
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    train_step: Any = ...,
+    model: nn.Module | None = ...,
+    optimizer: torch.optim.Optimizer | None = ...,
+    scheduler: Any = ...,
+    loader: Any = ...,
+    keep_last: int | None = ...,
+    async_save: bool = ...,
+    **extra: Any,
+) -> Path | Future[Path]: ...
 
 
 def save_checkpoint(
