@@ -18,6 +18,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 CHART = RESULTS / "readme-chart.png"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
+LOOPS_START, LOOPS_END = "<!-- loops:start -->", "<!-- loops:end -->"
 
 
 def load() -> list[tuple[str, dict]]:
@@ -59,13 +60,90 @@ def rows_in(name: str, rows: list[dict]) -> int:
     return sum(1 for r in rows if r["source"] == name)
 
 
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _source(name: str, env: dict) -> str:
+    return (
+        f"`{name}`: {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NCCL {env.get('nccl')}, "
+        f"commit {env['commit'][:10]}"
+    )
+
+
+def varlen_section(data: dict, name: str) -> list[str]:
+    runs = data["runs"]
+    lines = [
+        f"Variable lengths ({data['config']['min_len']}..{data['config']['max_len']} tokens per "
+        f"step, {data['config']['steps']} steps, {len(runs)} runs; median of runs, ratios per run):",
+        "",
+        "| mode | steady ms/step (× eager) | whole run ms/step | peak MiB (× eager padded) |",
+        "|---|---|---|---|",
+    ]
+    for mode in runs[0]:
+        rows = [run[mode] for run in runs]
+        lines.append(
+            f"| {mode} | {_median([r['median_ms'] for r in rows]):.2f} "
+            f"({_median([r['vs_eager'] for r in rows]):.2f}×) | "
+            f"{_median([r['whole_run_ms'] for r in rows]):.1f} | "
+            f"{_median([r['peak_memory_mib'] for r in rows]):.0f} "
+            f"({_median([r['memory_vs_eager_padded'] for r in rows]):.2f}×) |"
+        )
+    return [*lines, "", f"Source: {_source(name, data['environment'])}."]
+
+
+def loader_section(data: dict, name: str) -> list[str]:
+    models = data["models"]
+    feeds = [f for f in next(iter(models.values()))["ratio_to_staged"]]
+    lines = [
+        "The main job's loop against the same TrainStep fed pre-staged device batches (rate ratio, "
+        f"median of {data['config']['repeats']} repeats; `ddpgraph train` uses batched_prefetch):",
+        "",
+        "| model | staged steps/s | " + " | ".join(feeds) + " |",
+        "|---|---|" + "---|" * len(feeds),
+    ]
+    for model, result in models.items():
+        ratios = " | ".join(f"{result['ratio_to_staged'][f]:.2f}" for f in feeds)
+        lines.append(f"| {model} | {result['steps_per_s']['staged']:.0f} | {ratios} |")
+    return [*lines, "", f"Source: {_source(name, data['environment'])}."]
+
+
+def watchdog_section(data: dict, name: str) -> list[str]:
+    return [
+        f"Watchdog cost on the graphed {data['config']} step: {data['step_ms_on']['median']:.4f} "
+        f"vs {data['step_ms_off']['median']:.4f} ms with it off ({data['overhead_pct']:+.2f} %, "
+        f"{data['rounds']} alternating on/off blocks of {data['steps_per_block']} steps). "
+        f"Source: {_source(name, data['environment'])}."
+    ]
+
+
+def loops_section() -> str:
+    parts: list[str] = []
+    renderers = {
+        "varlen-h200.json": varlen_section,
+        "loader-h200.json": loader_section,
+        "watchdog-overhead-h200.json": watchdog_section,
+    }
+    for name, render in renderers.items():
+        path = RESULTS / name
+        if path.exists():
+            parts += [*render(json.loads(path.read_text()), name), ""]
+    return "\n".join(parts).rstrip() or "No loop benchmark results recorded yet."
+
+
+def _replace(text: str, start: str, end: str, body: str) -> str:
+    if start not in text or end not in text:
+        raise SystemExit(f"README.md lacks the {start} ... {end} markers")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{start}\n{body}\n{end}{tail}"
+
+
 def main() -> None:
-    text = README.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"README.md lacks the {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{START}\n{section(load())}\n{END}{tail}")
+    text = _replace(README.read_text(), START, END, section(load()))
+    README.write_text(_replace(text, LOOPS_START, LOOPS_END, loops_section()))
     print(f"updated {README}")
 
 
