@@ -185,3 +185,15 @@ def save_a_rank_dependent_step(directory: str) -> BaseException | None:
     except Exception as exc:
         return exc
     return None
+
+
+def async_save_then_shutdown(path: str) -> str | None:
+    """shutdown() right after an async save: it must wait for the commit, not cut the writer's
+    group from under it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddpgraph.save_checkpoint(path, step=1, model=model, optimizer=opt, async_save=True)
+    ddpgraph.shutdown()
+    found = ddpgraph.latest_checkpoint(path)
+    return None if found is None else found.name

@@ -280,3 +280,11 @@ def test_every_rank_refuses_ranks_saving_different_steps(tmp_path):
         errors[0]
     )
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_waits_for_an_async_save_to_commit(tmp_path):
+    names = run_distributed(
+        workers.async_save_then_shutdown, world_size=2, args=(str(tmp_path / "ckpt"),), timeout=100
+    )
+    assert names == ["step-00000001", "step-00000001"]

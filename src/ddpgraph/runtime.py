@@ -12,6 +12,7 @@ import gc
 import numbers
 import os
 import socket
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -181,7 +182,8 @@ def _store_host() -> str:
 def shutdown() -> None:
     """Destroy the process group that :func:`init` made (call on every rank); harmless if none.
 
-    The watchdog stops first, leaving no thread and no store key behind.
+    An ``async_save`` still writing is waited for first (it uses a group of this process's);
+    then the watchdog stops, leaving no thread and no store key behind.
 
     Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
     the caller no longer holds is freed with its process group now, not during interpreter
@@ -190,7 +192,9 @@ def shutdown() -> None:
     function that built them) before calling shutdown.
     """
     global _state
-    _watchdog.stop()  # first: a watchdog must not report the group's end as a hang
+    if "ddpgraph.checkpoint" in sys.modules:  # only a process that saved can have a save pending
+        sys.modules["ddpgraph.checkpoint"].wait_for_pending_save()
+    _watchdog.stop()  # a watchdog must not report the group's end as a hang
     state, _state = _state, None
     if state is None or not state.owns_group or not dist.is_initialized():
         return
