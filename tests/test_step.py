@@ -420,9 +420,20 @@ def test_phase_is_one_explicit_state():
     model = make_model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     assert step.phase is Phase.EAGER and step.mode == "eager"
-    step.close()  # nothing to free on the CPU; still safe
     step(*batches(1, 8)[0])
     assert step.report().eager_steps == 1
+    step.close()  # nothing to free on the CPU; still safe
+    assert step.phase is Phase.CLOSED
+
+
+def test_a_closed_step_refuses_to_train_instead_of_running_eagerly():
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    step.close()
+    with pytest.raises(CaptureError, match=r"step\(\) on a TrainStep after close\(\)"):
+        step(*batches(1, 8)[0])
+    with pytest.raises(CaptureError, match=r"evaluate\(\) on a TrainStep after close"):
+        step.evaluate(batches(1, 8)[0][0])
 
 
 def test_warnings_point_at_the_users_line():
