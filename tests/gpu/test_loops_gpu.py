@@ -195,8 +195,9 @@ def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
     step.close()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_reserved() < graphed_reserved
-    assert step.mode == "eager"
-    step(*batches[0])  # still trains, eagerly
+    assert step.mode == "closed"
+    with pytest.raises(ddpgraph.CaptureError, match=r"after close\(\)"):
+        step(*batches[0])
     del step, run, batches  # the batches were made after the baseline too
     gc.collect()
     torch.cuda.empty_cache()

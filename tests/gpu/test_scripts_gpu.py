@@ -86,7 +86,7 @@ def test_evaluate_before_training_and_restores_the_modules_own_modes(rt):
     torch.manual_seed(0)
     model = resnet().cuda()
     step = TrainStep(model, sgd(model.parameters()), nn.CrossEntropyLoss())
-    x, y = make_batches(resnet, 1)[0]
+    x, _ = make_batches(resnet, 1)[0]
     for _ in range(4):  # eager, eager, capture + replay, replay
         out = step.evaluate(x).clone()
     model.eval()

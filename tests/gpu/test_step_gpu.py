@@ -227,7 +227,7 @@ def test_a_host_sync_does_not_veto_capture_but_names_the_line_when_capture_fails
     _, reference = run_with_loss(sync_in_loss, batches, "never")
     for name in reference:
         assert torch.equal(state[name], reference[name]), name
-    with pytest.raises(CaptureError, match="(?s)capture failed.*host sync inside the step"):
+    with pytest.raises(CaptureError, match=r"(?s)capture failed.*host sync inside the step"):
         run_with_loss(sync_in_loss, batches, "always")
 
 
