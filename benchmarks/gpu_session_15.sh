@@ -5,7 +5,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-out}"; mkdir -p "$out"
 python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), transformers.__version__)"
 if [[ "${RUNS:-tests hf}" == *tests* ]]; then
-  timeout "${TESTS_TIMEOUT:-330}" python -m pytest -q tests/gpu -p no:cacheprovider -rs -x --timeout 300 \
+  timeout "${TESTS_TIMEOUT:-330}" python -m pytest -q tests/gpu -p no:cacheprovider -rs --timeout 300 \
     --durations=10 ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -40
 fi
 if [[ "${RUNS:-tests hf}" == *hf* ]]; then
