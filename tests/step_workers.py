@@ -79,3 +79,21 @@ def mapping_vs_tuple(steps: int) -> dict:
         "tuple": [p.detach().clone() for p in plain.parameters()],
         "ddp": type(by_mapping.model).__name__,
     }
+
+
+def evaluate_sees_rank0_buffers(steps: int) -> dict:
+    """Each rank trains a BatchNorm model on its own data, then evaluates: TrainStep's evaluate
+    (no collective) against DDP's own eval forward (which broadcasts rank 0's buffers)."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    for x, y in batches(steps, 8, seed=10 + rank):  # different data: different BN statistics
+        step(x, y)
+    probe = batches(1, 5, seed=99)[0][0]
+    ours = step.evaluate(probe).clone()
+    ddp = step.model
+    ddp.eval()
+    with torch.no_grad():
+        theirs = ddp(probe)
+    return {"ours": ours, "ddp": theirs, "mean": model[1].running_mean.clone()}

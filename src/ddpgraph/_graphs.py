@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import enum
 import gc
+import os
+import traceback
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +152,9 @@ class Graphs:
         keys = self.keys_of(kind)
         for key in keys:
             del self._graphs[key]
+        if not self._graphs:
+            # torch frees a private pool when its last graph goes: capture into a new one
+            self._pool = None
         self.uncapturable = {k for k in self.uncapturable if not _is_kind(k, kind)}
         if kind == "train":
             self.guard = None
@@ -277,6 +283,27 @@ def first_capture_error(exc: BaseException) -> str:
         current = current.__cause__ or current.__context__
     first = chain[-1]
     text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
+    where = library_frame(traceback.extract_tb(first.__traceback__))
+    at = f" at {where}" if where is not None else ""
     known = explain_exception(first)
     explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
-    return f"capture failed: {type(first).__name__}: {text}{explained}"
+    return f"capture failed: {type(first).__name__}: {text}{at}{explained}"
+
+
+def library_frame(frames: Sequence[traceback.FrameSummary]) -> str | None:
+    """The innermost frame outside torch and ddpgraph: the line that did it (the user's, or a
+    library's such as transformers'), as ``file:line `code```."""
+    for frame in reversed(frames):
+        if os.path.abspath(frame.filename).startswith(_SKIPPED_DIRS):
+            continue
+        return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return None
+
+
+# package directories by path, not by a "/torch/" substring: a virtual environment can be named
+# torch (/opt/torch/.venv/.../transformers would be skipped)
+_SKIPPED_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "warnings.py",
+)

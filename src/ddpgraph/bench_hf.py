@@ -226,8 +226,28 @@ def run_architecture(name: str, device: torch.device, steps: int) -> dict[str, A
     result["ratio_to_eager"] = {m: result[m]["median_ms"] / eager for m in HF_MODES}
     if len(finals) == 2:
         a, b = finals["train_step"], finals["train_step_never"]
-        result["max_param_diff"] = max(float((x - y).abs().max()) for x, y in zip(a, b))
+        result["max_param_diff"] = _max_diff(a, b)
+        result["eager_noise"] = _max_diff(b, _never_again(make, batches, device))
     return result
+
+
+def _never_again(
+    make: Callable[[], Any], batches: list[Batch], device: torch.device
+) -> list[torch.Tensor]:
+    """A second eager run of the reference: how far eager differs from itself (SDPA backward
+    kernels may use atomics)."""
+    with _fresh(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(1)
+        step = _train_step(make, device, "never")
+        for _ in range(2):  # the reference ran the batches twice (cold pass, timed pass)
+            for batch in batches:
+                step(batch)
+        return [p.detach().float().clone() for p in step.model.parameters()]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 def _timed_pass(
@@ -280,6 +300,7 @@ def _line(entry: dict[str, Any]) -> str:
         f"{step['mode']} {entry['ratio_to_eager']['train_step']:.2f}x eager "
         f"({step['median_ms']:.2f} vs {entry['eager_ddp']['median_ms']:.2f} ms), "
         f"max diff {entry.get('max_param_diff', float('nan')):.2e} "
+        f"(eager vs eager {entry.get('eager_noise', float('nan')):.2e}) "
         + (f"fallback: {step['fallbacks'][0][:160]}" if step["fallbacks"] else "")
     )
 

@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import watchdog
 from ._batch import Batch, Signature, describe, differences, make_batch
-from ._graphs import CapturedGraph, CaptureFailure, Graphs, GuardVerdict
+from ._graphs import CapturedGraph, CaptureFailure, Graphs, GuardVerdict, library_frame
 from ._log import get_logger
 from .errors import CaptureError, ConfigError, DeviceConflictError
 from .facts import DDP_STATS_SAMPLE_RATE, DEFAULT_WARMUP, ddp_count_allows_capture
@@ -643,7 +643,7 @@ class TrainStep:
                 loss, output = self._body(batch)
         self._sync_forwards += 1
         self._eager_before_capture = max(0, self._eager_before_capture - 1)
-        self.output = output
+        self.output = _detached(output)
         return loss
 
     def _to_device_all(self, batch: Batch) -> list[torch.Tensor]:
@@ -1116,15 +1116,4 @@ def _record_host_syncs(fn: Callable[[], Any]) -> _SyncReport:
 def _user_frame() -> str:
     """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
     a library's such as transformers')."""
-    skip = (_TORCH_DIR, _PACKAGE_DIR, os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
-    for frame in reversed(traceback.extract_stack()):
-        if os.path.abspath(frame.filename).startswith(skip):
-            continue
-        return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return "an unknown line"
-
-
-# package directories by path, not by a "/torch/" substring: a virtual environment can be named
-# torch (/opt/torch/.venv/.../transformers would be skipped)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return library_frame(traceback.extract_stack()) or "an unknown line"

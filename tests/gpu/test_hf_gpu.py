@@ -3,6 +3,9 @@ batches in pad_batch buckets), graphed by TrainStep: the table of which graph an
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -13,8 +16,11 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.timeout(600)
 
-# architecture -> expected mode with transformers >= 5 and SDPA attention (and why, when eager)
-EXPECTED = {name: "graphed" for name in ARCHITECTURES}
+# architecture -> (mode, what the fallback says) with transformers 5.17 and SDPA attention,
+# measured on an H200 (benchmarks/results/hf-masked-h200.json has the ratios)
+EXPECTED: dict[str, tuple[str, str | None]] = {name: ("graphed", None) for name in ARCHITECTURES}
+# Mistral's sliding-window mask is built from a CPU tensor inside the step
+EXPECTED["mistral"] = ("eager", r"(?s)Cannot copy between CPU and CUDA tensors.*transformers")
 
 
 def _train(name, batches, graph):
@@ -55,5 +61,10 @@ def test_headline_models_with_masks_are_graphed_within_eager_noise(rt, name):
 def test_architecture_sweep_graphs_as_the_table_says(rt, name):
     kind, _ = ARCHITECTURES[name]
     batches = masked_batches(kind, 20, torch.device("cuda"))
-    _, _, report = _train(name, batches, "auto")
-    assert report.mode == EXPECTED[name], str(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning is checked in the report
+        _, _, report = _train(name, batches, "auto")
+    mode, reason = EXPECTED[name]
+    assert report.mode == mode, str(report)
+    if reason is not None:
+        assert re.search(reason, report.fallbacks[0]), report.fallbacks[0]
