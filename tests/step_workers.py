@@ -97,3 +97,51 @@ def evaluate_sees_rank0_buffers(steps: int) -> dict:
     with torch.no_grad():
         theirs = ddp(probe)
     return {"ours": ours, "ddp": theirs, "mean": model[1].running_mean.clone()}
+
+
+def one_rank_fails_capture(steps: int) -> dict:
+    """Rank 1's first capture fails (the fake engine): every rank must end eager, in step."""
+    from ddpgraph._fake_graphs import fake_graphs
+
+    rank = torch.distributed.get_rank()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with fake_graphs(fail=lambda key: rank == 1):
+        step = TrainStep(model, opt, nn.CrossEntropyLoss())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(steps, 8, seed=3):
+            step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+    report = step.report()
+    return {
+        "mode": report.mode,
+        "fallbacks": report.fallbacks,
+        "eager_steps": report.eager_steps,
+        "warnings": [str(w.message) for w in caught],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
+    from ddpgraph._fake_graphs import fake_graphs
+
+    rank = torch.distributed.get_rank()
+    out = {}
+    for engine in ("fake", "never"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if engine == "fake":
+            with fake_graphs():
+                step = TrainStep(model, opt, nn.CrossEntropyLoss())
+        else:
+            step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never")
+        for x, y in batches(steps, 8, seed=3):
+            step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+        out[engine] = {
+            "mode": step.mode,
+            "replays": step.report().replays,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    return out

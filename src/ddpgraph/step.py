@@ -289,12 +289,8 @@ class TrainStep:
         self.output: Any = None
         self._phase = Phase.WARMUP
         plan, reason = self._make_optimizer_graph_safe()
-        self._graphs = (
-            Graphs(self._stream, _trainable(self.model), plan)
-            if plan is not None and self._stream is not None
-            else None
-        )
-        if self._graphs is not None:
+        self._graphs = self._new_graphs(plan)
+        if self._graphs is not None and self._stream is not None:
             self._graphs.register_replay_hook(self._watch_replay)
         if reason is not None:
             self._enter_eager(reason, warn=self._stream is not None)
@@ -384,7 +380,7 @@ class TrainStep:
         self.optimizer.load_state_dict(dict(state["optimizer"]))
         restore_identities(self.optimizer, kept)
         if self._graphs is not None:
-            make_graph_safe(self.optimizer, self.device)  # a loaded group may say capturable=False
+            self._make_graph_safe_again()
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self._report.steps = int(state.get("steps", self._report.steps))
@@ -532,7 +528,7 @@ class TrainStep:
         guard = self._graphs.guard
         news = guard.changes[before:] if guard is not None else []
         if verdict is GuardVerdict.RECAPTURE:
-            make_graph_safe(self.optimizer, self.device)
+            self._make_graph_safe_again()
             self._graphs.params = _trainable(self.model)
             for param in self._frozen_params():
                 param.grad = None  # eager zero_grad(set_to_none=True) would leave it None too
@@ -542,8 +538,13 @@ class TrainStep:
             )
             self._report.recaptures.extend(news)
         elif news:
-            make_graph_safe(self.optimizer, self.device)  # a loaded group may say capturable=False
+            self._make_graph_safe_again()
             get_logger().info("TrainStep: %s", "; ".join(news))
+
+    def _make_graph_safe_again(self) -> None:
+        """After a reload: a loaded param group may say capturable=False or foreach SGD."""
+        if self._stream is not None:
+            make_graph_safe(self.optimizer, self.device)
 
     def _frozen_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if not p.requires_grad]
@@ -627,7 +628,9 @@ class TrainStep:
         warming_up = self._phase is Phase.WARMUP
         if warming_up:
             self._report.warmup_steps += 1
-        check_syncs = warming_up and self._report.eager_steps == self._warmup
+        check_syncs = (
+            warming_up and self._report.eager_steps == self._warmup and self.device.type == "cuda"
+        )
         with self._on_side_stream():
             batch = batch.with_tensors(self._to_device_all(batch))
             if self._graphs is not None:
@@ -806,6 +809,18 @@ class TrainStep:
     def _count_allows_capture(self, sync_forwards: int) -> bool:
         return ddp_count_allows_capture(sync_forwards, self._ddp_sample_rate)
 
+    def _new_graphs(self, plan: GraphSafeOptimizer | None) -> Graphs | None:
+        if (
+            _ENGINE is not None
+            and self._stream is None
+            and self.options.graph != "never"
+            and graph_safety_problem(self.optimizer) is None
+        ):
+            return _ENGINE(_trainable(self.model), self.optimizer)
+        if plan is None or self._stream is None:
+            return None
+        return Graphs(self._stream, _trainable(self.model), plan)
+
     def _make_optimizer_graph_safe(self) -> tuple[GraphSafeOptimizer | None, str | None]:
         """The graph-safe optimizer plan, or why this step cannot be graphed.
 
@@ -818,6 +833,8 @@ class TrainStep:
         if self._stream is None:
             if problem is not None:
                 _warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
+            if _ENGINE is not None and problem is None:
+                return None, None  # the CPU stand-in engine (tests) drives the graphed policy
             return None, f"the model is on {self.device}, not CUDA"
         if problem is not None:
             return None, problem
@@ -869,6 +886,9 @@ class TrainStep:
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+# The graph engine for CPU tests (ddpgraph._fake_graphs.fake_graphs sets it); None: real graphs.
+_ENGINE: Callable[[list[nn.Parameter], torch.optim.Optimizer], Graphs] | None = None
 
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
