@@ -57,6 +57,15 @@ def _causal(kind: str) -> Callable[[], Any]:
         "mistral": lambda: tf.MistralForCausalLM(
             tf.MistralConfig(hidden_size=h, intermediate_size=688, num_key_value_heads=2, **common)
         ),
+        "mistral_no_cache": lambda: tf.MistralForCausalLM(
+            tf.MistralConfig(
+                hidden_size=h,
+                intermediate_size=688,
+                num_key_value_heads=2,
+                use_cache=False,
+                **common,
+            )
+        ),
         "gpt_neox": lambda: tf.GPTNeoXForCausalLM(
             tf.GPTNeoXConfig(hidden_size=h, intermediate_size=1024, **common)
         ),
@@ -125,7 +134,10 @@ def _vit() -> Any:
 
 
 ARCHITECTURES: dict[str, tuple[str, Callable[[], Any]]] = {
-    **{k: ("causal", _causal(k)) for k in ("gpt2", "llama", "qwen2", "mistral", "gpt_neox", "opt")},
+    **{
+        k: ("causal", _causal(k))
+        for k in ("gpt2", "llama", "qwen2", "mistral", "mistral_no_cache", "gpt_neox", "opt")
+    },
     **{k: ("classifier", _classifier(k)) for k in ("bert_cls", "roberta_cls", "distilbert_cls")},
     "t5": ("seq2seq", _t5),
     "vit": ("vision", _vit),
