@@ -136,7 +136,9 @@ def test_state_dict_round_trip_resumes_exactly():
     ("kwargs", "message"),
     [
         ({"graph": "sometimes"}, "graph='sometimes' must be one of"),
-        ({"amp": "fp16"}, "amp='fp16' is not supported; use amp='bf16'"),
+        ({"amp": "fp8"}, "amp='fp8' is not a precision TrainStep knows"),
+        ({"grad_scaler": {"init_scale": 8.0}}, "scales fp16 losses, but amp=None"),
+        ({"amp": "fp16", "grad_scaler": {"growth": 2}}, "unknown option 'growth'"),
         ({"accumulate": 0}, "accumulate=0 must be an integer >= 1"),
         ({"accumulate": True}, "accumulate=True must be an integer >= 1"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0 must be a positive, finite number"),

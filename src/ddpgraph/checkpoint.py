@@ -218,7 +218,7 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
         # its _last_lr holds floats until the first step with a tensor LR, tensors after it
         state["scheduler"] = _Opaque(parts.scheduler.state_dict())
     if parts.train_step is not None:
-        state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
+        state["train_step"] = _Opaque(_train_step_counters(parts.train_step))
     state["rng"] = {f"rank{rank}": _Opaque(_rng_state())}  # whole: with or without CUDA
     if parts.loader is not None:
         state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
@@ -761,6 +761,15 @@ def _few(keys: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
+def _train_step_counters(train_step: Any) -> dict[str, Any]:
+    """What a TrainStep holds besides model and optimizer: its step count, fp16's scale."""
+    counters: dict[str, Any] = {"steps": train_step.report().steps}
+    scaler = train_step.state_dict().get("scaler")
+    if scaler is not None:
+        counters["scaler"] = scaler
+    return counters
+
+
 def _apply(
     parts: _Parts, state: dict[str, Any], rank: int, before: dict[tuple[int, str], torch.Tensor]
 ) -> None:
@@ -782,7 +791,10 @@ def _apply(
     if parts.train_step is not None:
         # TrainStep's own in-place load: re-reads the optimizer's LR tensors and replay guard
         own = parts.train_step.state_dict()
-        own["steps"] = int(_opened(state["train_step"])["steps"])
+        saved = _opened(state["train_step"])
+        own["steps"] = int(saved["steps"])
+        if "scaler" in saved:  # fp16's loss scale
+            own["scaler"] = saved["scaler"]
         parts.train_step.load_state_dict(own)
     if parts.loader is not None:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))

@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import watchdog
+from ._amp import LossScaler, amp_dtype, check_scaler_options, skips_on_device
 from ._batch import Batch, Signature, describe, differences, make_batch
 from ._graphs import CapturedGraph, CaptureFailure, Graphs, GuardVerdict, library_frame
 from ._log import get_logger
@@ -62,23 +63,28 @@ class StepOptions:
     """TrainStep's options, validated when the TrainStep is built."""
 
     graph: GraphMode = "auto"
-    amp: str | None = None
+    amp: Any = None  # normalised to "bf16", "fp16" or None
     accumulate: int = 1
     clip_grad_norm: float | None = None
     on_new_shape: NewShapePolicy = "eager"
     warmup: int | None = None
     compile: bool | Mapping[str, Any] = False
     channels_last: bool = False
+    grad_scaler: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
+        dtype = amp_dtype(self.amp)
+        name = None if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        object.__setattr__(self, "amp", name)
+        if self.grad_scaler is not None and self.amp != "fp16":
+            raise ConfigError(
+                f"grad_scaler={dict(self.grad_scaler)!r} scales fp16 losses, but amp={self.amp!r}; "
+                "pass amp='fp16' or drop grad_scaler (bf16 needs no loss scaling)."
+            )
+        object.__setattr__(self, "grad_scaler", check_scaler_options(self.grad_scaler))
         _check_compile(self.compile)
         _check_choice("graph", self.graph, ("auto", "always", "never"))
         _check_choice("on_new_shape", self.on_new_shape, ("eager", "capture", "error"))
-        if self.amp not in (None, "bf16"):
-            raise ConfigError(
-                f"amp={self.amp!r} is not supported; use amp='bf16' (fp16 needs a loss scaler "
-                "whose inf checks cannot be captured) or amp=None."
-            )
         if not _is_int(self.accumulate) or self.accumulate < 1:
             raise ConfigError(f"accumulate={self.accumulate!r} must be an integer >= 1.")
         if self.clip_grad_norm is not None and not (
@@ -155,6 +161,7 @@ class StepReport:
     fallbacks: list[str] = field(default_factory=list)
     optimizer_changes: list[str] = field(default_factory=list)
     recaptures: list[str] = field(default_factory=list)  # why training graphs were re-captured
+    skipped_steps: int | None = None  # fp16: optimizer steps skipped for inf/NaN gradients
     time_to_first_replay: float | None = None  # seconds from construction to the first replay
 
     def __str__(self) -> str:
@@ -164,6 +171,8 @@ class StepReport:
         ]
         if self.evaluations:
             lines[0] += f" evaluations={self.evaluations} (replayed {self.eval_replays})"
+        if self.skipped_steps is not None:
+            lines[0] += f" skipped (fp16 overflow)={self.skipped_steps}"
         lines += [
             f"captured {c.kind} {describe(c.signature)} at step {c.at_step} in "
             f"{c.seconds * 1e3:.0f} ms"
@@ -217,7 +226,14 @@ class TrainStep:
     Options (keyword-only, validated here):
         graph: "auto" captures where CUDA is available and falls back to eager with a warning that
             explains why; "always" raises :class:`CaptureError` instead; "never" stays eager.
-        amp: None or "bf16" (autocast around forward and loss).
+        amp: None, bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``) or fp16 (``"fp16"``,
+            ``"float16"``, ``torch.float16``): autocast around forward and loss. fp16 adds dynamic
+            loss scaling inside the graph, op for op as ``torch.amp.GradScaler`` with a fused
+            optimizer (Adam/AdamW/SGD are switched to their fused kernel on CUDA): an overflowed
+            step is skipped on the device, :attr:`loss_scale` is the scale, ``report()`` counts
+            skipped steps, checkpoints keep the scale.
+        grad_scaler: fp16 only: ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, as ``torch.amp.GradScaler`` takes them (and its defaults).
         accumulate: k micro-batches per step (every batch tensor is split along dim 0); gradients
             are all-reduced once, on the last; :attr:`output` is the last micro-batch's.
         clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
@@ -246,7 +262,7 @@ class TrainStep:
         loss_fn: LossFn | None = None,
         *,
         graph: GraphMode = "auto",
-        amp: str | None = None,
+        amp: str | torch.dtype | None = None,
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
         on_new_shape: NewShapePolicy = "eager",
@@ -255,9 +271,18 @@ class TrainStep:
         scheduler: Any = None,
         compile: bool | Mapping[str, Any] = False,
         channels_last: bool = False,
+        grad_scaler: Mapping[str, float] | None = None,
     ) -> None:
         self.options = StepOptions(
-            graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile, channels_last
+            graph,
+            amp,
+            accumulate,
+            clip_grad_norm,
+            on_new_shape,
+            warmup,
+            compile,
+            channels_last,
+            grad_scaler,
         )
         _check_model(model)
         _check_optimizer(optimizer, model)
@@ -267,7 +292,12 @@ class TrainStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
-        self._amp_dtype = torch.bfloat16 if amp == "bf16" else None
+        self._amp_dtype = amp_dtype(self.options.amp)
+        self._scaler = (
+            LossScaler(self.device, self.options.grad_scaler or {})
+            if self.options.amp == "fp16"
+            else None
+        )
         self._stream = _capture_stream(self.device) if self.device.type == "cuda" else None
         if channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
@@ -307,8 +337,11 @@ class TrainStep:
         return self._phase.value
 
     def report(self) -> StepReport:
-        """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason."""
+        """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason;
+        with fp16 the steps skipped for inf/NaN gradients (read from the device: a sync)."""
         self._report.mode = self.mode
+        if self._scaler is not None:
+            self._report.skipped_steps = int(self._scaler.skipped.item())
         return self._report
 
     def __call__(self, *args: Any) -> torch.Tensor:
@@ -364,6 +397,8 @@ class TrainStep:
         }
         if self.scheduler is not None:
             state["scheduler"] = self.scheduler.state_dict()
+        if self._scaler is not None:
+            state["scaler"] = self._scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -383,6 +418,8 @@ class TrainStep:
             self._make_graph_safe_again()
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self._scaler is not None and "scaler" in state:
+            self._scaler.load_state_dict(state["scaler"])
         self._report.steps = int(state.get("steps", self._report.steps))
 
     # ------------------------------------------------------------ per call
@@ -695,16 +732,44 @@ class TrainStep:
             with self._no_sync_unless(i == k - 1), self._autocast():
                 loss, output = self._loss(micro)
             _check_scalar_loss(loss)
-            (loss / k).backward()
+            backward = loss / k
+            (self._scaler.scale(backward) if self._scaler is not None else backward).backward()
             part = loss.detach().float() / k
             total = part if total is None else total + part
-        if self.options.clip_grad_norm is not None:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grad_norm_(params, self.options.clip_grad_norm, foreach=True)
-        self.optimizer.step()
+        self._clip_and_step()
         self._broadcast_buffers()
         assert total is not None
         return total, output
+
+    def _clip_and_step(self) -> None:
+        """Clip (on unscaled gradients) and step; with fp16, skip an overflowed step on the
+        device and update the scale, as GradScaler does."""
+        clip = self.options.clip_grad_norm
+        # GradScaler unscales before clipping, and for an optimizer that cannot take the scale
+        unscale = self._scaler is not None and (
+            clip is not None or not skips_on_device(self.optimizer)
+        )
+        if self._scaler is not None:
+            grads = [
+                p.grad
+                for group in self.optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            ]
+            self._scaler.check(grads, unscale=unscale)
+        if clip is not None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        if self._scaler is None:
+            self.optimizer.step()
+            return
+        self._scaler.step(self.optimizer, unscaled=unscale)
+        self._scaler.update()
+
+    @property
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16's current loss scale (a device tensor the graph updates); None without fp16."""
+        return self._scaler.scale_tensor if self._scaler is not None else None
 
     def _loss(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         if batch.kind == "mapping":
@@ -836,9 +901,16 @@ class TrainStep:
             if _ENGINE is not None and problem is None:
                 return None, None  # the CPU stand-in engine (tests) drives the graphed policy
             return None, f"the model is on {self.device}, not CUDA"
+        if problem is None and self.options.amp == "fp16":
+            problem = _fused_for_fp16(self.optimizer)
         if problem is not None:
             return None, problem
-        return make_graph_safe(self.optimizer, self.device), None
+        plan = make_graph_safe(self.optimizer, self.device)
+        if self.options.amp == "fp16" and not skips_on_device(self.optimizer):
+            for group in self.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+            plan.changes.append("fused=True (fp16 skips overflowed steps on the device)")
+        return plan, None
 
     # ------------------------------------------------------- agreement, exits
     def _every_rank_agrees(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
@@ -1071,6 +1143,16 @@ def _check_optimizer(optimizer: object, model: nn.Module) -> None:
             f"({shown}): they get gradients but are never updated; add them to a param group or "
             "set requires_grad=False."
         )
+
+
+def _fused_for_fp16(optimizer: torch.optim.Optimizer) -> str | None:
+    if all("fused" in group for group in optimizer.param_groups):
+        return None
+    return (
+        f"amp='fp16' inside a graph needs an optimizer with a fused kernel (Adam, AdamW, SGD) "
+        f"that skips an overflowed step on the device; {type(optimizer).__name__} would need "
+        "found_inf.item(), a host sync. Use one of those, or amp='bf16' (no loss scaling)."
+    )
 
 
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
