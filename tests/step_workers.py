@@ -145,3 +145,64 @@ def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
             "params": [p.detach().clone() for p in model.parameters()],
         }
     return out
+
+
+class Dropout(nn.Module):
+    """make_model with dropout: the random draws between calls must match too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.net(self.drop(x))
+
+
+def accumulate_calls_vs_no_sync(k: int, steps: int, fake: bool) -> dict:
+    """TrainStep(accumulate_calls=k) against the eager no_sync loop scripts write."""
+    import contextlib
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpgraph._fake_graphs import fake_graphs
+
+    rank = torch.distributed.get_rank()
+    data = batches(steps * k, 4, seed=20 + rank)
+    torch.manual_seed(0)
+    model = Dropout()
+    with fake_graphs() if fake else contextlib.nullcontext():
+        step = TrainStep(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            nn.CrossEntropyLoss(),
+            accumulate_calls=k,
+            clip_grad_norm=1.0,
+        )
+    torch.manual_seed(5)
+    ours = [float(step(x, y)) for x, y in data]
+
+    torch.manual_seed(0)
+    reference = Dropout()
+    ddp = DDP(reference)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    torch.manual_seed(5)
+    theirs = []
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % k == 0
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            (loss / k).backward()
+        theirs.append(float(loss))
+        if last:
+            torch.nn.utils.clip_grad_norm_(list(ddp.parameters()), 1.0, foreach=True)
+            opt.step()
+            opt.zero_grad()
+    return {
+        "ours": ours,
+        "theirs": theirs,
+        "mode": step.mode,
+        "replays": step.report().replays,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "reference": [p.detach().clone() for p in reference.parameters()],
+    }

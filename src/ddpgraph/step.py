@@ -71,8 +71,19 @@ class StepOptions:
     compile: bool | Mapping[str, Any] = False
     channels_last: bool = False
     grad_scaler: Mapping[str, float] | None = None
+    accumulate_calls: int = 1
 
     def __post_init__(self) -> None:
+        if not _is_int(self.accumulate_calls) or self.accumulate_calls < 1:
+            raise ConfigError(
+                f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."
+            )
+        if self.accumulate_calls > 1 and self.accumulate != 1:
+            raise ConfigError(
+                f"accumulate={self.accumulate} and accumulate_calls={self.accumulate_calls} both "
+                "accumulate gradients; use accumulate=k to split one batch per call, or "
+                "accumulate_calls=k to take one micro-batch per call."
+            )
         dtype = amp_dtype(self.amp)
         name = None if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
         object.__setattr__(self, "amp", name)
@@ -272,6 +283,7 @@ class TrainStep:
         compile: bool | Mapping[str, Any] = False,
         channels_last: bool = False,
         grad_scaler: Mapping[str, float] | None = None,
+        accumulate_calls: int = 1,
     ) -> None:
         self.options = StepOptions(
             graph,
@@ -283,6 +295,7 @@ class TrainStep:
             compile,
             channels_last,
             grad_scaler,
+            accumulate_calls,
         )
         _check_model(model)
         _check_optimizer(optimizer, model)
@@ -317,6 +330,8 @@ class TrainStep:
         self._eager_before_capture = 0  # eager steps DDP needs before the next capture
         self._signatures: set[Signature] = set()  # every training signature ever captured
         self.output: Any = None
+        self._call_in_group = 0  # accumulate_calls: micro-batches taken since the last update
+        self._zeroed = False  # accumulate_calls: gradients zeroed before the first group
         self._phase = Phase.WARMUP
         plan, reason = self._make_optimizer_graph_safe()
         self._graphs = self._new_graphs(plan)
@@ -350,6 +365,7 @@ class TrainStep:
         self._report.steps += 1
         self._check_shape_policy(batch.signature)
         loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
+        self._call_in_group = (self._call_in_group + 1) % self.options.accumulate_calls
         return loss
 
     def evaluate(self, *args: Any) -> Any:
@@ -389,7 +405,15 @@ class TrainStep:
         return captured.graph if captured is not None else None
 
     def state_dict(self) -> dict[str, Any]:
-        """Model (unwrapped), optimizer, scheduler and step count; safe to save at any step."""
+        """Model (unwrapped), optimizer, scheduler and step count; safe to save after any call
+        except between the micro-batches of ``accumulate_calls`` (refused: the partial
+        gradients would be lost)."""
+        if self._call_in_group:
+            raise ConfigError(
+                f"state_dict() after {self._call_in_group} of {self.options.accumulate_calls} "
+                "micro-batches (accumulate_calls): their gradients are not in any state dict; "
+                "save after the call that steps the optimizer (calls % accumulate_calls == 0)."
+            )
         state: dict[str, Any] = {
             "model": _unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -425,13 +449,24 @@ class TrainStep:
     # ------------------------------------------------------------ per call
     def _step(self, batch: Batch) -> torch.Tensor:
         mode = self._modes()
-        if self._phase is Phase.WARMUP and self._report.eager_steps >= self._warmup:
+        if self._phase is Phase.WARMUP and self._warmup_done():
             return self._first_capture(batch, mode)
         if self._phase is Phase.GRAPHED:
             loss = self._replay_or_capture(batch, mode)
             if loss is not None:
                 return loss
         return self._eager(batch)
+
+    def _warmup_done(self) -> bool:
+        """Warm-up counts optimizer steps; with accumulate_calls it ends at a group's start."""
+        calls = self._warmup * self.options.accumulate_calls
+        return self._report.eager_steps >= calls and self._call_in_group == 0
+
+    def _role(self) -> str:
+        """ "micro" for a call that only accumulates (accumulate_calls), "train" for one that
+        steps the optimizer: each has its own graph per input signature and mode."""
+        last = self._call_in_group == self.options.accumulate_calls - 1
+        return "train" if last else "micro"
 
     def _run_watched(self, phase: str, run: Callable[[Batch], Any], batch: Batch) -> Any:
         """``run(batch)`` as a watched call: a hang in it becomes the watchdog's verdict."""
@@ -451,7 +486,7 @@ class TrainStep:
     def _watch_phase(self) -> str:
         """The watchdog's name for this call (its heartbeat says where each rank is)."""
         if self._phase is Phase.WARMUP:
-            return "capture" if self._report.eager_steps >= self._warmup else "warmup"
+            return "capture" if self._warmup_done() else "warmup"
         return "replay" if self._phase is Phase.GRAPHED else "eager"
 
     def _watch_replay(self, stream: torch.cuda.Stream) -> None:
@@ -469,7 +504,8 @@ class TrainStep:
 
     def _check_shape_policy(self, signature: Signature) -> None:
         """on_new_shape="error", on every device: the signature must stay the captured one."""
-        if self.options.on_new_shape != "error" or self._report.steps <= self._warmup:
+        warmup_calls = self._warmup * self.options.accumulate_calls
+        if self.options.on_new_shape != "error" or self._report.steps <= warmup_calls:
             return
         if self._reference is None:
             self._reference = signature
@@ -495,7 +531,7 @@ class TrainStep:
         the same everywhere). Costs one tiny all-reduce, once per run.
         """
         assert self._graphs is not None
-        key = ("train", mode, batch.signature)
+        key = (self._role(), mode, batch.signature)
         started = time.perf_counter()
         result = self._capture(key, batch)
         failed = isinstance(result, CaptureFailure)
@@ -503,7 +539,7 @@ class TrainStep:
         if any_dirty:
             self._reset_reducer()  # on every rank, so DDP's bucket rebuild is collective
         if not ok:
-            self._graphs.drop("train")
+            self._drop_training_graphs()
             reason = (
                 self._explain_failure(result.reason)
                 if isinstance(result, CaptureFailure)
@@ -526,7 +562,7 @@ class TrainStep:
         """
         assert self._graphs is not None
         self._apply_guard()
-        key = ("train", mode, batch.signature)
+        key = (self._role(), mode, batch.signature)
         if key in self._graphs:
             return self._replay(key, batch)
         if not self._should_capture(key):
@@ -569,7 +605,7 @@ class TrainStep:
             self._graphs.params = _trainable(self.model)
             for param in self._frozen_params():
                 param.grad = None  # eager zero_grad(set_to_none=True) would leave it None too
-            dropped = self._graphs.drop("train")
+            dropped = self._drop_training_graphs()
             _warn_at_user_line(
                 f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
             )
@@ -586,24 +622,32 @@ class TrainStep:
     def _frozen_params(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if not p.requires_grad]
 
-    def _capture(self, key: Hashable, batch: Batch) -> CapturedGraph | CaptureFailure:
+    def _drop_training_graphs(self) -> int:
+        assert self._graphs is not None
+        return self._graphs.drop("train") + self._graphs.drop("micro")
+
+    def _capture(
+        self, key: tuple[str, Any, Signature], batch: Batch
+    ) -> CapturedGraph | CaptureFailure:
         """Capture the step for this key on the device copy of ``batch``."""
         assert self._graphs is not None
+        role = key[0]
         device_batch = batch.with_tensors(self._to_device_all(batch))
-        result = self._graphs.capture(key, device_batch, self._captured_body)
-        self._sync_forwards += 1  # DDP's host code ran once during capture
+        result = self._graphs.capture(key, device_batch, lambda b: self._captured_body(b, role))
+        if role == "train":
+            self._sync_forwards += 1  # DDP's host code ran once during capture
         return result
 
-    def _captured_body(self, batch: Batch) -> tuple[torch.Tensor, Any]:
-        loss, output = self._body(batch)
+    def _captured_body(self, batch: Batch, role: str) -> tuple[torch.Tensor, Any]:
+        loss, output = self._body(batch, role)
         return loss, _detached(output)
 
     def _record_capture(self, key: tuple[str, Any, Signature], started: float) -> None:
         seconds = time.perf_counter() - started
         kind, mode, signature = key
-        if kind == "train":
+        if kind in ("train", "micro"):
             self._signatures.add(signature)
-        words = _mode_words(mode) if kind == "train" else ""
+        words = _mode_words(mode) if kind != "eval" else ""
         self._report.captures.append(
             CaptureRecord(signature, self._report.steps, seconds, kind + words)
         )
@@ -637,7 +681,7 @@ class TrainStep:
         """
         assert isinstance(self.model, DistributedDataParallel) and self._graphs is not None
         self.model.reducer._reset_state()
-        self._graphs.drop("train")
+        self._drop_training_graphs()
         self._eager_before_capture = 2
 
     def _recover_alone(self) -> None:
@@ -665,23 +709,27 @@ class TrainStep:
         warming_up = self._phase is Phase.WARMUP
         if warming_up:
             self._report.warmup_steps += 1
+        role = self._role()
         check_syncs = (
-            warming_up and self._report.eager_steps == self._warmup and self.device.type == "cuda"
+            warming_up
+            and self._report.eager_steps == self._warmup * self.options.accumulate_calls
+            and self.device.type == "cuda"
         )
         with self._on_side_stream():
             batch = batch.with_tensors(self._to_device_all(batch))
             if self._graphs is not None:
                 self._graphs.plan.sync_lr()
             if self._compile_pending:
-                loss, output = self._first_compiled_step(batch)
+                loss, output = self._first_compiled_step(batch, role)
             elif check_syncs:
-                syncs = _record_host_syncs(lambda: self._body(batch))
+                syncs = _record_host_syncs(lambda: self._body(batch, role))
                 loss, output = syncs.result
                 if syncs.found:
                     self._sync_hint = syncs.describe()
             else:
-                loss, output = self._body(batch)
-        self._sync_forwards += 1
+                loss, output = self._body(batch, role)
+        if role == "train":
+            self._sync_forwards += 1
         self._eager_before_capture = max(0, self._eager_before_capture - 1)
         self.output = _detached(output)
         return loss
@@ -695,7 +743,7 @@ class TrainStep:
             tensor = tensor.contiguous(memory_format=torch.channels_last)
         return tensor
 
-    def _first_compiled_step(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+    def _first_compiled_step(self, batch: Batch, role: str) -> tuple[torch.Tensor, Any]:
         """The first forward compiles; if Inductor fails, fall back to the plain module.
 
         Compilation happens before any kernel of the step runs, so the model is unchanged when
@@ -705,7 +753,7 @@ class TrainStep:
 
         self._compile_pending = False
         try:
-            return self._body(batch)
+            return self._body(batch, role)
         except TorchDynamoException as exc:
             self._warn_or_raise(
                 f"torch.compile failed, so the model runs uncompiled: {_first_line(exc)}"
@@ -713,32 +761,45 @@ class TrainStep:
             self.model = self._wrap(self._module)
             if self._graphs is not None:
                 self._graphs.params = _trainable(self.model)
-            return self._body(batch)
+            return self._body(batch, role)
 
-    def _body(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+    def _body(self, batch: Batch, role: str = "train") -> tuple[torch.Tensor, Any]:
         """zero_grad, k x (forward, loss, backward), clip, optimizer step, buffer broadcast.
 
-        Returns the mean loss and the (last micro-batch's) model output. Runs eagerly or under
-        capture; it must not touch the LR (a fill_ captured here would reset the LR on every
-        replay), so callers sync the LR tensors before it.
+        Returns the loss (the mean over ``accumulate``'s micro-batches; with
+        ``accumulate_calls``, this call's micro-batch loss, as scripts log it) and the (last
+        micro-batch's) model output. With ``accumulate_calls`` a "micro" call only runs forward
+        and backward without DDP's sync; the "train" call syncs, steps and zeroes the gradients
+        for the next group. Runs eagerly or under capture; it must not touch the LR (a fill_
+        captured here would reset the LR on every replay), so callers sync the LR tensors first.
         """
+        calls = self.options.accumulate_calls
         # set_to_none=False while graphs are possible: a graph reads and writes the same .grad
         # tensors on every replay
-        self.optimizer.zero_grad(set_to_none=self._phase is Phase.EAGER)
-        k = self.options.accumulate
+        set_to_none = self._phase is Phase.EAGER
+        if calls == 1 or not self._zeroed:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+            self._zeroed = True
+        k = self.options.accumulate * calls
         total: torch.Tensor | None = None
         output: Any = None
-        for i, micro in enumerate(batch.split(k)):
-            with self._no_sync_unless(i == k - 1), self._autocast():
+        micros = batch.split(self.options.accumulate)
+        for i, micro in enumerate(micros):
+            sync = role == "train" and i == len(micros) - 1
+            with self._no_sync_unless(sync), self._autocast():
                 loss, output = self._loss(micro)
             _check_scalar_loss(loss)
             backward = loss / k
             (self._scaler.scale(backward) if self._scaler is not None else backward).backward()
-            part = loss.detach().float() / k
+            part = loss.detach().float() / self.options.accumulate
             total = part if total is None else total + part
+        assert total is not None
+        if role == "micro":
+            return total, output
         self._clip_and_step()
         self._broadcast_buffers()
-        assert total is not None
+        if calls > 1:
+            self.optimizer.zero_grad(set_to_none=set_to_none)  # for the next group
         return total, output
 
     def _clip_and_step(self) -> None:

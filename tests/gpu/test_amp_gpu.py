@@ -107,3 +107,52 @@ def test_fp16_graphed_equals_eager_gradscaler_bitwise_through_overflows(rt, case
     assert float(step.loss_scale) == scaler.get_scale()
     for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def _no_sync_loop(model_fn, data, k):
+    """The loop nanoGPT and accelerate write: no_sync for k-1 micro-batches, then step."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = model_fn().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    make_graph_safe(opt, torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    torch.manual_seed(1)
+    losses = []
+    opt.zero_grad(set_to_none=False)
+    for i, (x, y) in enumerate(data):
+        last = (i + 1) % k == 0
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                loss = nn.functional.cross_entropy(ddp(x), y)
+            (loss / k).backward()
+        losses.append(loss.detach().float())
+        if last:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    torch.cuda.synchronize()
+    return model, torch.stack(losses)
+
+
+def test_accumulate_calls_graphed_equals_the_no_sync_loop_bitwise(rt):
+    k = 4
+    data = make_batches(transformer, 30 * k)  # dropout 0.1: the draws between calls must match
+    reference, ref_losses = _no_sync_loop(transformer, data, k)
+    torch.manual_seed(0)
+    model = transformer().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = TrainStep(
+        model, opt, nn.CrossEntropyLoss(), amp="bf16", accumulate_calls=k, graph="always"
+    )
+    torch.manual_seed(1)
+    losses = torch.stack([step(x, y).clone() for x, y in data])
+    torch.cuda.synchronize()
+    report = step.report()
+    assert report.mode == "graphed" and len(report.captures) == 2, str(report)
+    assert report.replays == (30 - 12) * k, str(report)
+    assert torch.equal(losses, ref_losses)
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name
