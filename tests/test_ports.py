@@ -23,14 +23,14 @@ import ddpgraph
 PORTS = Path(__file__).resolve().parent.parent / "examples" / "ports"
 sys.path.insert(0, str(PORTS))
 
-import diffs  # noqa: E402
-import runner  # noqa: E402
+import port_diffs as diffs  # noqa: E402
+import port_runner as runner  # noqa: E402
 
 needs_new_api = pytest.mark.skipif(
     not hasattr(ddpgraph.TrainStep, "output"), reason="needs step.output"
 )
 
-# iterations rank 0 records with runner.py's CPU arguments
+# iterations rank 0 records with port_runner.py's CPU arguments
 ITERATIONS = {"nanogpt": 16, "ddp_tutorial": 16, "imagenet": 10}
 MAX_PORT_LINES = 15  # lines added by a port (baseline.py -> ported.py); removed lines are free
 
@@ -41,7 +41,7 @@ def _run_both(name: str, tmp_path: Path) -> tuple[runner.Result, runner.Result]:
     with ThreadPoolExecutor(len(runner.VARIANTS)) as pool:
         results = tuple(
             pool.map(
-                lambda v: runner.run(port, v, tmp_path / v, nproc=2, mode="cpu", timeout=35),
+                lambda v: runner.run(port, v, tmp_path / v, nproc=2, mode="cpu", timeout=50),
                 runner.VARIANTS,
             )
         )
@@ -75,7 +75,9 @@ def test_ddp_tutorial_port_runs_like_the_original_whose_loss_is_always_zero(tmp_
 def test_port_diffs_are_current_and_small(name):
     for kind, diff in diffs.port_diffs(name).items():
         committed = (PORTS / name / f"{kind}.diff").read_text()
-        assert committed == diff.text, f"run python examples/ports/diffs.py ({name}/{kind}.diff)"
+        assert committed == diff.text, (
+            f"run python examples/ports/port_diffs.py ({name}/{kind}.diff)"
+        )
     assert diffs.port_diffs(name)["ported"].added <= MAX_PORT_LINES
 
 

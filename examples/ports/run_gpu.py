@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import runner
+import port_runner as runner
 
 
 def compare(baseline: list[float], ported: list[float]) -> dict:

@@ -1,6 +1,6 @@
 """A stand-in for the few torchvision names ``imagenet/main.py`` uses with ``--dummy`` data.
 
-Put on ``PYTHONPATH`` by ``examples/ports/runner.py`` only where torchvision cannot be imported
+Put on ``PYTHONPATH`` by ``examples/ports/port_runner.py`` only where torchvision cannot be imported
 (the CPU CI image has no torchvision build matching its CPU-only torch), so that the original
 script runs unchanged: ``models.squeezenet1_1`` (torchvision's architecture and initialisation),
 ``datasets.FakeData`` (deterministic random images as tensors) and the transforms the dummy path

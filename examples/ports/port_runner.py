@@ -12,6 +12,7 @@ Used by ``tests/test_ports.py`` (CPU, 2 gloo ranks) and ``run_gpu.py`` (one CUDA
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import pickle
@@ -192,6 +193,8 @@ class Result:
 @functools.cache
 def has_torchvision() -> bool:
     """Whether a working torchvision imports here (a CUDA build next to a CPU-only torch fails)."""
+    if importlib.util.find_spec("torchvision") is None:
+        return False
     probe = "import torchvision.models, torchvision.datasets"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 

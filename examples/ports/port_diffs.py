@@ -1,6 +1,6 @@
 """The two diffs of every port, written next to it: ``baseline.diff`` (original → baseline: what
 lets the script run on 2 CPU ranks and record its losses) and ``ported.diff`` (baseline → ported:
-the port to ddpgraph). ``python examples/ports/diffs.py`` rewrites them; ``tests/test_ports.py``
+the port to ddpgraph). ``python examples/ports/port_diffs.py`` rewrites them; ``tests/test_ports.py``
 checks that the committed ones are current and counts their lines.
 """
 
@@ -10,7 +10,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner import PORTS, PORTS_BY_NAME
+from port_runner import PORTS, PORTS_BY_NAME
 
 
 @dataclass(frozen=True)
