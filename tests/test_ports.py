@@ -25,6 +25,7 @@ sys.path.insert(0, str(PORTS))
 
 import port_diffs as diffs  # noqa: E402
 import port_runner as runner  # noqa: E402
+import run_gpu  # noqa: E402
 
 needs_new_api = pytest.mark.skipif(
     not hasattr(ddpgraph.TrainStep, "output"), reason="needs step.output"
@@ -100,3 +101,12 @@ def test_every_port_has_its_three_scripts():
         assert (PORTS / name / "original" / port.original).exists()
         for variant in runner.VARIANTS:
             assert port.script(variant).exists(), (name, variant)
+
+
+def test_gpu_report_compares_loss_curves_and_survives_missing_runs():
+    same = run_gpu.compare([3.0, 2.0, 1.0], [3.0, 2.0, 1.0])
+    assert same["bitwise_equal"] and same["max_abs_diff"] == 0.0 and same["iterations"] == 3
+    close = run_gpu.compare([3.0, 2.0, float("nan")], [3.0, 2.002])
+    assert not close["bitwise_equal"] and not close["same_length"] and close["iterations"] == 2
+    assert close["max_rel_diff"] == pytest.approx(0.001)
+    assert run_gpu.compare([], [1.0]) == {"iterations": 0}  # a failed run: no comparison

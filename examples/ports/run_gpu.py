@@ -70,10 +70,13 @@ def environment() -> dict:
         info["ddpgraph"] = ddpgraph.__version__
     except Exception as exc:
         info["ddpgraph_error"] = repr(exc)
-    head = subprocess.run(
-        ["git", "-C", str(runner.PORTS), "rev-parse", "HEAD"], capture_output=True, text=True
-    )
-    info["commit"] = head.stdout.strip() or None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(runner.PORTS), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+        info["commit"] = head.stdout.strip() or None
+    except OSError:  # no git: the report is still useful
+        info["commit"] = None
     info["torchvision"] = runner.has_torchvision()
     return info
 
