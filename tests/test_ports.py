@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 import ddpgraph
 
@@ -27,9 +28,33 @@ import port_diffs as diffs  # noqa: E402
 import port_runner as runner  # noqa: E402
 import run_gpu  # noqa: E402
 
-needs_new_api = pytest.mark.skipif(
-    not hasattr(ddpgraph.TrainStep, "output"), reason="needs step.output"
-)
+
+def _has_script_habits() -> bool:
+    """Whether TrainStep takes the loss from a ``(logits, loss)`` output and keeps ``step.output``.
+
+    Probed on a real step: ``step.output`` is an instance attribute, so ``hasattr`` on the class
+    cannot tell.
+    """
+
+    class TupleModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+        def forward(self, x, y):
+            logits = self.lin(x)
+            return logits, torch.nn.functional.cross_entropy(logits, y)
+
+    model = TupleModel()
+    step = ddpgraph.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), graph="never")
+    try:
+        step(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))
+    except (ValueError, TypeError):
+        return False
+    return isinstance(getattr(step, "output", None), tuple)
+
+
+needs_new_api = pytest.mark.skipif(not _has_script_habits(), reason="needs step.output")
 
 # iterations rank 0 records with port_runner.py's CPU arguments
 ITERATIONS = {"nanogpt": 16, "ddp_tutorial": 16, "imagenet": 10}
