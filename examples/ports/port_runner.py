@@ -199,8 +199,12 @@ def has_torchvision() -> bool:
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
 
 
-def command(port: Port, variant: str, nproc: int, mode: str) -> list[str]:
-    args = port.cpu_args if mode == "cpu" else port.gpu_args
+def command(
+    port: Port, variant: str, nproc: int, mode: str, extra: Sequence[str] = ()
+) -> list[str]:
+    """The command line; ``extra`` arguments come last, so they override (argparse and nanoGPT's
+    configurator both keep the last value)."""
+    args = (*(port.cpu_args if mode == "cpu" else port.gpu_args), *extra)
     if mode == "gpu" and port.launcher == "spawn":
         arch = "resnet50" if has_torchvision() else "squeezenet1_1"
         args = tuple(a.format(port=free_port(), arch=arch) for a in args)
@@ -233,6 +237,7 @@ def run(
     timeout: float,
     skip: int = 0,
     env: dict[str, str] | None = None,
+    extra: Sequence[str] = (),
 ) -> Result:
     """Run one variant in ``workdir``; never raises for a failed run.
 
@@ -249,7 +254,7 @@ def run(
     result = Result(port.name, variant, None, 0.0)
     try:
         proc = subprocess.run(
-            command(port, variant, nproc, mode),
+            command(port, variant, nproc, mode, extra),
             cwd=workdir,
             env=environment(port, losses, env),
             capture_output=True,

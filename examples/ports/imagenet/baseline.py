@@ -140,6 +140,7 @@ def main():
 def main_worker(gpu, ngpus_per_node, args):
     global best_acc1
     args.gpu = gpu
+    if args.seed is not None: torch.manual_seed(args.seed) # ddpgraph-ports: mp.spawn workers start unseeded
 
     use_accel = not args.no_accel and torch.accelerator.is_available()
 
