@@ -17,9 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
-
-import ddpgraph
 
 PORTS = Path(__file__).resolve().parent.parent / "examples" / "ports"
 sys.path.insert(0, str(PORTS))
@@ -27,34 +24,6 @@ sys.path.insert(0, str(PORTS))
 import port_diffs as diffs  # noqa: E402
 import port_runner as runner  # noqa: E402
 import run_gpu  # noqa: E402
-
-
-def _has_script_habits() -> bool:
-    """Whether TrainStep takes the loss from a ``(logits, loss)`` output and keeps ``step.output``.
-
-    Probed on a real step: ``step.output`` is an instance attribute, so ``hasattr`` on the class
-    cannot tell.
-    """
-
-    class TupleModel(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(2, 2)
-
-        def forward(self, x, y):
-            logits = self.lin(x)
-            return logits, torch.nn.functional.cross_entropy(logits, y)
-
-    model = TupleModel()
-    step = ddpgraph.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), graph="never")
-    try:
-        step(torch.ones(4, 2), torch.zeros(4, dtype=torch.long))
-    except (ValueError, TypeError):
-        return False
-    return isinstance(getattr(step, "output", None), tuple)
-
-
-needs_new_api = pytest.mark.skipif(not _has_script_habits(), reason="needs step.output")
 
 # iterations rank 0 records with port_runner.py's CPU arguments
 ITERATIONS = {"nanogpt": 16, "ddp_tutorial": 16, "imagenet": 10}
@@ -77,7 +46,6 @@ def _run_both(name: str, tmp_path: Path) -> tuple[runner.Result, runner.Result]:
     return results  # type: ignore[return-value]
 
 
-@needs_new_api
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", ["nanogpt", "imagenet"])
 def test_port_trains_bit_for_bit_like_the_original_on_two_cpu_ranks(name, tmp_path):
@@ -86,7 +54,6 @@ def test_port_trains_bit_for_bit_like_the_original_on_two_cpu_ranks(name, tmp_pa
     assert len(set(baseline.losses)) > 1  # it trains: the losses move
 
 
-@needs_new_api
 @pytest.mark.timeout(60)
 def test_ddp_tutorial_port_runs_like_the_original_whose_loss_is_always_zero(tmp_path):
     # multigpu_torchrun.py trains Linear(20, 1) with F.cross_entropy on (batch, 1) float targets:
@@ -97,7 +64,6 @@ def test_ddp_tutorial_port_runs_like_the_original_whose_loss_is_always_zero(tmp_
     assert (tmp_path / "ported" / "snapshot.pt").exists()  # saved from the bare module
 
 
-@needs_new_api
 @pytest.mark.timeout(60)
 def test_imagenet_port_matches_under_the_scripts_own_spawn_launch_used_on_the_gpu(tmp_path):
     # run_gpu.py's imagenet command (--multiprocessing-distributed, world size 1), on the CPU:

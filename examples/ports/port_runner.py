@@ -75,7 +75,7 @@ PORTS_BY_NAME: dict[str, Port] = {
         Port(
             "nanogpt",
             "train.py",
-            # nanoGPT's own configurator; 2 ranks split gradient_accumulation_steps=2 into 1 each
+            # nanoGPT's own configurator; 2 ranks split gradient_accumulation_steps=4 into 2 each
             cpu_args=(
                 *NANOGPT_COMMON,
                 "--device=cpu",
@@ -87,7 +87,7 @@ PORTS_BY_NAME: dict[str, Port] = {
                 "--n_embd=32",
                 "--block_size=32",
                 "--batch_size=4",
-                "--gradient_accumulation_steps=2",
+                "--gradient_accumulation_steps=4",
                 "--dropout=0.1",
                 "--max_iters=15",
                 "--warmup_iters=5",
@@ -106,7 +106,7 @@ PORTS_BY_NAME: dict[str, Port] = {
                 "--n_embd=384",
                 "--block_size=256",
                 "--batch_size=64",
-                "--gradient_accumulation_steps=1",
+                "--gradient_accumulation_steps=4",
                 "--dropout=0.0",
                 "--max_iters=300",
                 "--warmup_iters=100",

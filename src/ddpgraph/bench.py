@@ -86,6 +86,7 @@ MODES = (
     "train_step",
     "train_step_channels_last",
     "train_step_compiled",
+    "train_step_fp16",
 )
 QUICK_MODES = ("eager_ddp", "train_step")
 
@@ -219,7 +220,8 @@ def _train_step(
     torch.manual_seed(0)
     model = cfg.build().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=cfg.amp, **options)
+    amp = options.pop("amp", cfg.amp)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=amp, **options)
     next_batch = _cycle(batches)
     return step, lambda: step(*next_batch())
 
@@ -230,6 +232,8 @@ def run_mode(
     """One mode of one config; None where the mode does not apply (channels_last off conv nets)."""
     if mode == "train_step_channels_last" and not cfg.conv:
         return None
+    if mode == "train_step_fp16" and cfg.amp is None:
+        return None  # next to bf16 configs only
     with _fresh(device):
         if mode == "eager_ddp":
             return _measure(
@@ -241,11 +245,13 @@ def run_mode(
                 device,
                 steps,
             )
-        options: dict[str, Any] = {
+        choices: dict[str, dict[str, Any]] = {
             "train_step": {},
             "train_step_channels_last": {"channels_last": True},
             "train_step_compiled": {"compile": True, "channels_last": cfg.conv},
-        }[mode]
+            "train_step_fp16": {"amp": "fp16"},
+        }
+        options = dict(choices[mode])
         holder: dict[str, TrainStep] = {}
 
         def make() -> Callable[[], Any]:

@@ -13,6 +13,7 @@ MODE_TITLES = {
     "train_step": "TrainStep",
     "train_step_channels_last": "TrainStep channels_last",
     "train_step_compiled": "TrainStep compile=True",
+    "train_step_fp16": "TrainStep fp16 (loss scaling in the graph)",
 }
 
 

@@ -127,6 +127,7 @@ def train(
             "train_step",
             "train_step_channels_last",
             "train_step_compiled",
+            "train_step_fp16",
         ]
     ),
     multiple=True,

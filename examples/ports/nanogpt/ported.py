@@ -206,9 +206,8 @@ if compile:
     unoptimized_model = model
 
 # the whole step (DDP, autocast, backward, clipping, optimizer) as one callable, one CUDA graph on GPU
-assert gradient_accumulation_steps == 1, "ddpgraph port: gradient accumulation across calls is not yet available"
 step = ddpgraph.TrainStep(model, optimizer, amp={'float32': None, 'bfloat16': 'bf16', 'float16': 'fp16'}[dtype] if device_type == 'cuda' else None,
-                          clip_grad_norm=grad_clip or None, compile=compile)
+                          clip_grad_norm=grad_clip or None, compile=compile, accumulate_calls=gradient_accumulation_steps)
 
 # helps estimate an arbitrarily accurate loss over either split using many batches
 @torch.no_grad()
@@ -289,7 +288,7 @@ while True:
     # forward backward update, with optional gradient accumulation to simulate larger batch size
     # and using the GradScaler if data type is float16
     for micro_step in range(gradient_accumulation_steps):
-        loss = step(X, Y) # forward, backward, clip, optimizer step (model(X, Y) returns (logits, loss))
+        loss = step(X, Y) / gradient_accumulation_steps # fwd+bwd; the k-th call syncs, clips, steps
         # immediately async prefetch next batch while model is doing the forward pass on the GPU
         X, Y = get_batch('train')
 
