@@ -2,6 +2,8 @@
 # One GPU session's runs, in one call (device time is scarce): the GPU tests, then the benchmarks
 # named in $RUNS. Results land in $OUT (or ./out): pytest logs and benchmark JSON.
 #   DDPGRAPH_COMMIT=$(git rev-parse HEAD) RUNS="tests varlen loader" bash benchmarks/h200_session.sh
+# RUNS: tests varlen hf (transformers models with masks) ports (examples/ports on one GPU)
+#       loader watchdog bench (BENCH_ARGS)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-out}"
@@ -15,6 +17,14 @@ if has tests; then
 fi
 if has varlen; then
   timeout 200 python -m ddpgraph bench --varlen --repeats 3 --out "$out/varlen-h200.json" 2>&1 | tail -8
+fi
+if has hf; then
+  timeout "${HF_TIMEOUT:-300}" python -m ddpgraph bench --varlen --hf ${HF_NAMES:-} \
+    --repeats "${HF_REPEATS:-3}" --steps 48 --out "$out/hf-masked-h200.json" 2>&1 | grep "^run " | tail -40
+fi
+if has ports; then
+  timeout "${PORTS_TIMEOUT:-400}" python examples/ports/run_gpu.py --out "$out/ports-h200.json" \
+    --timeout "${PORT_TIMEOUT:-150}" 2>&1 | tail -30
 fi
 if has loader; then
   timeout 240 python benchmarks/loader.py ${LOADER_ARGS:-} --out "$out/loader-h200.json" 2>&1 | tail -25
