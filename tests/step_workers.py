@@ -206,3 +206,33 @@ def accumulate_calls_vs_no_sync(k: int, steps: int, fake: bool) -> dict:
         "params": [p.detach().clone() for p in model.parameters()],
         "reference": [p.detach().clone() for p in reference.parameters()],
     }
+
+
+def compile_fails_on_rank_1(steps: int) -> dict:
+    """torch.compile fails on rank 1 only (its backend raises): every rank must agree to run
+    uncompiled before any rank rebuilds DDP (a collective)."""
+    import warnings
+
+    rank = torch.distributed.get_rank()
+
+    def backend(gm, example_inputs):
+        if rank == 1:
+            raise RuntimeError("injected backend failure")
+        return gm.forward
+
+    model = make_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fallback's warning; the report is checked
+        step = TrainStep(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            nn.CrossEntropyLoss(),
+            compile={"backend": backend},
+        )
+        for x, y in batches(steps, 8, seed=4):
+            step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+    return {
+        "inner": type(step.model.module).__name__,
+        "fallbacks": step.report().fallbacks,
+        "params": [p.detach().clone() for p in model.parameters()],
+    }

@@ -204,3 +204,14 @@ def test_one_rank_failing_its_capture_sends_every_rank_eager():
     assert "FakeCaptureError" in results[1]["fallbacks"][0]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_a_compile_failing_on_one_rank_is_agreed_before_ddp_is_rebuilt():
+    results = run_distributed(
+        step_workers.compile_fails_on_rank_1, world_size=2, args=(4,), timeout=120
+    )
+    assert [r["inner"] for r in results] == ["Sequential", "Sequential"]
+    assert any("failed on another rank" in f for f in results[0]["fallbacks"])
+    assert any("injected backend failure" in f for f in results[1]["fallbacks"])
+    for a, b in zip(results[0]["params"], results[1]["params"]):
+        assert torch.equal(a, b)

@@ -744,24 +744,51 @@ class TrainStep:
         return tensor
 
     def _first_compiled_step(self, batch: Batch, role: str) -> tuple[torch.Tensor, Any]:
-        """The first forward compiles; if Inductor fails, fall back to the plain module.
+        """Compile first, outside DDP, then agree: every rank runs compiled, or every rank plain.
 
-        Compilation happens before any kernel of the step runs, so the model is unchanged when
-        it fails and the step is simply run again, uncompiled.
+        Building DDP is a collective, so a rank falling back alone would leave the ranks in
+        different collectives; and inside DDP's forward a failing rank would already have joined
+        the buffer broadcast. So the compiling forward runs on the compiled module itself (no
+        DDP, no backward), with the RNG forked and the buffers put back: training sees no extra
+        step. Then one tiny all-reduce decides, and every rank rebuilds DDP if any rank failed.
         """
-        from torch._dynamo.exc import TorchDynamoException
-
         self._compile_pending = False
-        try:
-            return self._body(batch, role)
-        except TorchDynamoException as exc:
-            self._warn_or_raise(
-                f"torch.compile failed, so the model runs uncompiled: {_first_line(exc)}"
-            )
+        failure = self._try_compile(batch)
+        ok, _ = self._every_rank_agrees(failure is None, False)
+        if not ok:
+            reason = failure or "it failed on another rank (that rank's warning says why)"
+            self._warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
             self.model = self._wrap(self._module)
             if self._graphs is not None:
                 self._graphs.params = _trainable(self.model)
-            return self._body(batch, role)
+        return self._body(batch, role)
+
+    def _try_compile(self, batch: Batch) -> str | None:
+        """Run the compiled module's first forward (it compiles); why it failed, or None."""
+        from torch._dynamo.exc import TorchDynamoException
+
+        compiled = (
+            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        )
+        first = batch.split(self.options.accumulate)[0]
+        saved = [b.detach().clone() for b in self._module.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), self._autocast():
+                if first.kind == "mapping":
+                    compiled(**first.as_mapping())
+                elif self.loss_fn is None:
+                    compiled(*first.tensors)
+                else:
+                    compiled(*first.tensors[:-1])
+        except TorchDynamoException as exc:
+            root = exc.__cause__ or getattr(exc, "inner_exception", None)  # a backend's own error
+            return _first_line(exc) + (f" ({_first_line(root)})" if root is not None else "")
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(self._module.buffers(), saved):
+                    buffer.copy_(value)
+        return None
 
     def _body(self, batch: Batch, role: str = "train") -> tuple[torch.Tensor, Any]:
         """zero_grad, k x (forward, loss, backward), clip, optimizer step, buffer broadcast.
