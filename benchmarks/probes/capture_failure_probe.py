@@ -136,5 +136,6 @@ except Exception as e:
     rec["error"] = str(e).splitlines()[0][:300]
 out["find_unused_parameters"] = rec
 print("find_unused", rec, flush=True)
-json.dump(out, open(os.path.join(os.environ.get("OUT", "."), "probe.json"), "w"), indent=1)
+with open(os.path.join(os.environ.get("OUT", "."), "probe.json"), "w") as f:
+    json.dump(out, f, indent=1)
 dist.destroy_process_group()
