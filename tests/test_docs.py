@@ -6,7 +6,8 @@ gets by pasting the page's code into a file. Lines that are not code are blanked
 line number is the line in the Markdown file. A block preceded by ``<!-- skip: reason -->`` is not
 run (for code that needs a GPU, several hosts or a command line); the reason is required.
 
-The pages run concurrently, two at a time, started when the first page's test asks for them.
+The pages run concurrently, three at a time (much of their time is process start-up), started
+when the first page's test asks for them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _name(page: Path) -> str:
 
 
 RUNNABLE = [page for page in PAGES if script(page) is not None]
-_pool = ThreadPoolExecutor(max_workers=2)
+_pool = ThreadPoolExecutor(max_workers=3)
 _runs: dict[Path, Future[subprocess.CompletedProcess[str]]] = {}
 
 
@@ -91,7 +92,7 @@ def _run(page: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory: pytest.TempPathFactory):
-    """Start every page at once (two run at a time) and hand each test its own page's result."""
+    """Start every page at once (four run at a time) and hand each test its own page's result."""
     for page in RUNNABLE:
         workdir = tmp_path_factory.mktemp(page.stem)
         _runs[page] = _pool.submit(_run, page, workdir)
@@ -127,4 +128,3 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert ".venv/bin/python -m pytest -q" in readme
     assert "\npython -m pytest -q\n" in ci
-
