@@ -57,6 +57,7 @@ def section(results: list[tuple[str, dict]]) -> str:
         to_markdown(rows),
         "",
         "Sources:",
+        "",
         sources,
     ]
     CHART.parent.mkdir(parents=True, exist_ok=True)
@@ -163,17 +164,20 @@ def varlen_section(data: dict, name: str) -> list[str]:
 
 def loader_section(data: dict, name: str) -> list[str]:
     models = data["models"]
-    feeds = [f for f in next(iter(models.values()))["ratio_to_staged"]]
+    feeds = list(next(iter(models.values()))["ratio_to_staged"])
     lines = [
         "The main job's loop against the same TrainStep fed pre-staged device batches (rate ratio, "
         f"median of {data['config']['repeats']} repeats; `ddpgraph train` uses batched_prefetch):",
         "",
-        "| model | staged steps/s | " + " | ".join(feeds) + " |",
-        "|---|---|" + "---|" * len(feeds),
+        "| feed | " + " | ".join(models) + " |",
+        "|---|" + "---:|" * len(models),
+        "| staged (steps/s) | "
+        + " | ".join(f"{r['steps_per_s']['staged']:.0f}" for r in models.values())
+        + " |",
     ]
-    for model, result in models.items():
-        ratios = " | ".join(f"{result['ratio_to_staged'][f]:.2f}" for f in feeds)
-        lines.append(f"| {model} | {result['steps_per_s']['staged']:.0f} | {ratios} |")
+    for feed in feeds:
+        ratios = " | ".join(f"{r['ratio_to_staged'][feed]:.2f}" for r in models.values())
+        lines.append(f"| {feed} | {ratios} |")
     return [*lines, "", f"Source: {_source(name, data['environment'])}."]
 
 
