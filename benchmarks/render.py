@@ -48,7 +48,7 @@ def section(results: list[tuple[str, dict]]) -> str:
         for name, d in results
     )
     parts = [
-        scope(results),
+        *scope(results),
         "",
         "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios).",
         "First fast step: seconds from building the model to steady state (compiling, warming up,",
@@ -67,22 +67,27 @@ def section(results: list[tuple[str, dict]]) -> str:
     return "\n".join(parts)
 
 
-def scope(results: list[tuple[str, dict]]) -> str:
-    """What the step times contain and what they leave out, from the files' own environment."""
+def scope(results: list[tuple[str, dict]]) -> list[str]:
+    """What the step times contain and what they leave out, from the files' own data."""
     sizes = sorted({d["world_size"] for _, d in results})
     gpus = sorted({d["environment"]["gpu"] for _, d in results})
-    text = (
-        f"World size {', '.join(map(str, sizes))} on one {' / '.join(gpus)}. "
-        "Each time is one whole training step (zero_grad, forward, loss, backward, SGD with "
-        "momentum) on synthetic batches already on the GPU: no data loading."
-    )
+    items = [
+        "**What a time is:** one whole training step (zero_grad, forward, loss, backward, SGD "
+        "with momentum) on synthetic batches already on the GPU; no data loading.",
+        f"**Where:** world size {', '.join(map(str, sizes))} on one {' / '.join(gpus)}, torch "
+        f"{_versions(results)}.",
+    ]
     if sizes == [1]:
-        text += (
-            " DDP's NCCL all-reduce over one rank is in place and launches no kernel, so these "
-            "numbers contain no communication: they show the CPU launch overhead a graph removes, "
-            "not how training scales across GPUs."
+        items.append(
+            "**No communication:** at world size 1, DDP's in-place NCCL all-reduce over one rank "
+            "launches no kernel. The numbers show the CPU launch overhead a graph removes, not "
+            "how training scales across GPUs."
         )
-    return text
+    return [_bullet(item) for item in items]
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(text, 100, initial_indent="- ", subsequent_indent="  ")
 
 
 def headline(results: list[tuple[str, dict]]) -> str:
@@ -92,6 +97,8 @@ def headline(results: list[tuple[str, dict]]) -> str:
         return "No GPU benchmark results recorded yet."
     modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
     lines = [
+        "Median step time in ms (× eager DDP; lower is faster):",
+        "",
         "| config | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
         "|---|" + "---:|" * len(modes),
     ]
@@ -107,14 +114,12 @@ def headline(results: list[tuple[str, dict]]) -> str:
                 cells.append(f"{m['median_ms']:.2f} ({m['vs_eager']:.2f}×)")
         lines.append("| " + " | ".join(cells) + " |")
     sources = ", ".join(f"`{name}`" for name, _ in results)
-    prose = (
-        "Median step time in ms (× eager DDP, lower is faster). "
-        + scope(results)
-        + f" Measured with torch {_versions(results)}; numbers from {sources} in benchmarks/results."
-        " The full tables, the time to the first fast step, the loader and variable-length"
-        " measurements are in [docs/benchmarks.md](docs/benchmarks.md)."
+    more = _bullet(
+        f"**Sources:** {sources} in `benchmarks/results/`. The full tables, the time to the first "
+        "fast step, and the loader and variable-length measurements: "
+        "[docs/benchmarks.md](docs/benchmarks.md)."
     )
-    return "\n".join([textwrap.fill(prose, 100, break_on_hyphens=False), "", *lines])
+    return "\n".join([*lines, "", *scope(results), more])
 
 
 def _versions(results: list[tuple[str, dict]]) -> str:

@@ -116,6 +116,19 @@ def test_every_python_block_runs_or_says_why_not() -> None:
     assert len(marked) <= 6, [f"{_name(b.page)}:{b.line} {b.skip}" for b in marked]
 
 
+def test_code_on_the_site_fits_80_columns() -> None:
+    """Wider code scrolls sideways next to the site's two sidebars on a laptop screen."""
+    pages = [page for page in PAGES if page.parent != ROOT]
+    wide = [
+        f"{_name(b.page)}:{b.line + i}"
+        for page in pages
+        for b in blocks(page)
+        for i, line in enumerate(b.code)
+        if len(line) > 80
+    ]
+    assert wide == []
+
+
 def test_readme_is_short_with_lines_of_at_most_100_characters() -> None:
     text = (ROOT / "README.md").read_text()
     assert len(text.split()) <= 1500
