@@ -20,7 +20,9 @@ from typing import Any
 
 import griffe
 
-ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj|py:\w+):`(~?)([^`]+)`")
+ROLE = re.compile(
+    r":(?:class|func|meth|attr|data|mod|exc|obj|py:\w+):`(~?)([^`]+)`"
+)
 # Section titles griffe's Google-style parser handles itself; their blocks are left alone.
 GOOGLE_SECTIONS = re.compile(
     r"^(Args|Arguments|Params|Parameters|Keyword Args|Keyword Arguments|Other Parameters|"
@@ -51,16 +53,28 @@ def blocks_to_lists(text: str) -> str:
         out.append(line)
         i += 1
         header = line.rstrip()
-        if not header.endswith(":") or header.endswith("::") or GOOGLE_SECTIONS.match(header):
+        if (
+            not header.endswith(":")
+            or header.endswith("::")
+            or GOOGLE_SECTIONS.match(header)
+        ):
             continue
-        if i >= len(lines) or _indent(lines[i]) <= _indent(line) or not lines[i].strip():
+        if (
+            i >= len(lines)
+            or _indent(lines[i]) <= _indent(line)
+            or not lines[i].strip()
+        ):
             continue
         base = _indent(lines[i])
         items: list[str] = []
         while i < len(lines) and lines[i].strip() and _indent(lines[i]) >= base:
             body = lines[i].strip()
             # a line at the block's indent starts an item unless it continues a sentence
-            starts = not items or items[-1].endswith((".", ":", ";")) or DEFINITION.match(body)
+            starts = (
+                not items
+                or items[-1].endswith((".", ":", ";"))
+                or DEFINITION.match(body)
+            )
             if _indent(lines[i]) == base and starts:
                 term = DEFINITION.match(body)
                 if term and not term.group(1).startswith("`"):
