@@ -26,7 +26,7 @@ from .procs import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
-FENCE = re.compile(r"^```(\S*)\s*$")
+FENCE = re.compile(r"^( *)```(\S*)\s*$")  # also inside a list item, indented
 SKIP = re.compile(r"^<!--\s*skip:\s*(\S.*?)\s*-->$")
 PAGE_TIMEOUT_S = 150
 
@@ -53,7 +53,9 @@ def blocks(page: Path) -> list[Block]:
         before = next((s.strip() for s in reversed(lines[:i]) if s.strip()), "")
         mark = SKIP.match(before)
         end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
-        found.append(Block(page, i + 2, opening.group(1), lines[i + 1 : end], mark and mark[1]))
+        indent = len(opening.group(1))
+        code = [line[indent:] for line in lines[i + 1 : end]]
+        found.append(Block(page, i + 2, opening.group(2), code, mark and mark[1]))
         i = end + 1
     return found
 
@@ -72,8 +74,6 @@ def _name(page: Path) -> str:
 
 
 RUNNABLE = [page for page in PAGES if script(page) is not None]
-_pool = ThreadPoolExecutor(max_workers=3)
-_runs: dict[Path, Future[subprocess.CompletedProcess[str]]] = {}
 
 
 def _run(page: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
@@ -92,12 +92,12 @@ def _run(page: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory: pytest.TempPathFactory):
-    """Start every page at once (four run at a time) and hand each test its own page's result."""
-    for page in RUNNABLE:
-        workdir = tmp_path_factory.mktemp(page.stem)
-        _runs[page] = _pool.submit(_run, page, workdir)
-    yield _runs
-    _pool.shutdown(wait=True)
+    """Start every page at once (three run at a time) and hand each test its own page's result."""
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs: dict[Path, Future[subprocess.CompletedProcess[str]]] = {
+            page: pool.submit(_run, page, tmp_path_factory.mktemp(page.stem)) for page in RUNNABLE
+        }
+        yield runs
 
 
 @pytest.mark.timeout(PAGE_TIMEOUT_S * len(RUNNABLE) + 30)
