@@ -6,7 +6,7 @@ gets by pasting the page's code into a file. Lines that are not code are blanked
 line number is the line in the Markdown file. A block preceded by ``<!-- skip: reason -->`` is not
 run (for code that needs a GPU, several hosts or a command line); the reason is required.
 
-The pages run concurrently, three at a time (much of their time is process start-up), started
+The pages run concurrently, two at a time (much of their time is process start-up), started
 when the first page's test asks for them.
 """
 
@@ -93,7 +93,7 @@ def _run(page: Path, workdir: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def page_runs(tmp_path_factory: pytest.TempPathFactory):
     """Start every page at once (three run at a time) and hand each test its own page's result."""
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         runs: dict[Path, Future[subprocess.CompletedProcess[str]]] = {
             page: pool.submit(_run, page, tmp_path_factory.mktemp(page.stem)) for page in RUNNABLE
         }
