@@ -79,3 +79,69 @@ def mapping_vs_tuple(steps: int) -> dict:
         "tuple": [p.detach().clone() for p in plain.parameters()],
         "ddp": type(by_mapping.model).__name__,
     }
+
+
+def evaluate_sees_rank0_buffers(steps: int) -> dict:
+    """Each rank trains a BatchNorm model on its own data, then evaluates: TrainStep's evaluate
+    (no collective) against DDP's own eval forward (which broadcasts rank 0's buffers)."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    for x, y in batches(steps, 8, seed=10 + rank):  # different data: different BN statistics
+        step(x, y)
+    probe = batches(1, 5, seed=99)[0][0]
+    ours = step.evaluate(probe).clone()
+    ddp = step.model
+    ddp.eval()
+    with torch.no_grad():
+        theirs = ddp(probe)
+    return {"ours": ours, "ddp": theirs, "mean": model[1].running_mean.clone()}
+
+
+def one_rank_fails_capture(steps: int) -> dict:
+    """Rank 1's first capture fails (the fake engine): every rank must end eager, in step."""
+    from ddpgraph._fake_graphs import fake_graphs
+
+    rank = torch.distributed.get_rank()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with fake_graphs(fail=lambda key: rank == 1):
+        step = TrainStep(model, opt, nn.CrossEntropyLoss())
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(steps, 8, seed=3):
+            step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+    report = step.report()
+    return {
+        "mode": report.mode,
+        "fallbacks": report.fallbacks,
+        "eager_steps": report.eager_steps,
+        "warnings": [str(w.message) for w in caught],
+        "params": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
+    from ddpgraph._fake_graphs import fake_graphs
+
+    rank = torch.distributed.get_rank()
+    out = {}
+    for engine in ("fake", "never"):
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if engine == "fake":
+            with fake_graphs():
+                step = TrainStep(model, opt, nn.CrossEntropyLoss())
+        else:
+            step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never")
+        for x, y in batches(steps, 8, seed=3):
+            step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
+        out[engine] = {
+            "mode": step.mode,
+            "replays": step.report().replays,
+            "params": [p.detach().clone() for p in model.parameters()],
+        }
+    return out

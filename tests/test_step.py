@@ -136,7 +136,9 @@ def test_state_dict_round_trip_resumes_exactly():
     ("kwargs", "message"),
     [
         ({"graph": "sometimes"}, "graph='sometimes' must be one of"),
-        ({"amp": "fp16"}, "amp='fp16' is not supported; use amp='bf16'"),
+        ({"amp": "fp8"}, "amp='fp8' is not a precision TrainStep knows"),
+        ({"grad_scaler": {"init_scale": 8.0}}, "scales fp16 losses, but amp=None"),
+        ({"amp": "fp16", "grad_scaler": {"growth": 2}}, "unknown option 'growth'"),
         ({"accumulate": 0}, "accumulate=0 must be an integer >= 1"),
         ({"accumulate": True}, "accumulate=True must be an integer >= 1"),
         ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0 must be a positive, finite number"),
@@ -420,9 +422,20 @@ def test_phase_is_one_explicit_state():
     model = make_model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     assert step.phase is Phase.EAGER and step.mode == "eager"
-    step.close()  # nothing to free on the CPU; still safe
     step(*batches(1, 8)[0])
     assert step.report().eager_steps == 1
+    step.close()  # nothing to free on the CPU; still safe
+    assert step.phase is Phase.CLOSED
+
+
+def test_a_closed_step_refuses_to_train_instead_of_running_eagerly():
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
+    step.close()
+    with pytest.raises(CaptureError, match=r"step\(\) on a TrainStep after close\(\)"):
+        step(*batches(1, 8)[0])
+    with pytest.raises(CaptureError, match=r"evaluate\(\) on a TrainStep after close"):
+        step.evaluate(batches(1, 8)[0][0])
 
 
 def test_warnings_point_at_the_users_line():

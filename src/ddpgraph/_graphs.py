@@ -1,4 +1,9 @@
-"""The CUDA graphs of one TrainStep: captured per input signature, one memory pool, one guard.
+"""The CUDA graphs of one TrainStep, and everything they read: one owner, ``capture``/``replay``.
+
+:class:`Graphs` owns the capture stream, the memory pool, each graph's static inputs and outputs,
+the optimizer's LR tensors (through the graph-safe plan), the replay guard and the hooks run
+after a replay (the watchdog registers one). TrainStep keeps the policy: when to capture, what
+to do when a capture fails, which key a batch has.
 
 Training and evaluation graphs share the pool (as Megatron does): the step never runs two of them
 at once (they replay on one stream) and every graph's outputs stay allocated while the graph
@@ -7,17 +12,25 @@ lives, so a later capture can only reuse memory that earlier graphs use as scrat
 
 from __future__ import annotations
 
+import enum
 import gc
-from collections.abc import Callable, Hashable, Iterator
+import os
+import traceback
+import warnings
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ._batch import Batch
 from .errors import CaptureError, explain_exception
+from .optim import GraphSafeOptimizer, hyperparameters, restore_identities, tensor_slots
 
-__all__ = ["CapturedGraph", "GraphCache", "ReplayGuard"]
+__all__ = ["CapturedGraph", "Graphs", "GuardVerdict", "ReplayGuard", "first_capture_error"]
+
+ReplayHook = Callable[[torch.cuda.Stream], None]
 
 
 @dataclass
@@ -28,47 +41,71 @@ class CapturedGraph:
     static_inputs: tuple[torch.Tensor, ...]
     output: Any
 
-    def replay(self, inputs: tuple[torch.Tensor, ...]) -> Any:
-        for static, tensor in zip(self.static_inputs, inputs):
-            static.copy_(tensor, non_blocking=True)
-        self.graph.replay()
-        return self.output
+
+@dataclass
+class CaptureFailure:
+    """Why a capture failed (the first CUDA error, not the 'previous error' after it)."""
+
+    reason: str
 
 
-class GraphCache:
-    """Graphs by key (a phase and an input signature), their shared pool and the replay guard.
+class Graphs:
+    """Every graph of one TrainStep by key, their pool, static buffers, guard and replay hooks.
 
-    ``close()`` drops every graph and the pool, so the memory returns to PyTorch's allocator
-    (``torch.cuda.empty_cache()`` then hands it back to the driver).
+    ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
+    nothing) and keeps the graph; ``replay(key, batch)`` checks the guard, syncs the LR tensors,
+    copies the batch into the static inputs, replays and runs the hooks. ``close()`` drops every
+    graph and the pool, so the memory returns to PyTorch's allocator.
     """
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    def __init__(
+        self,
+        stream: torch.cuda.Stream,
+        params: Sequence[nn.Parameter],
+        plan: GraphSafeOptimizer,
+    ) -> None:
         self._stream = stream
         self._graphs: dict[Hashable, CapturedGraph] = {}
         self._pool: Any = None
+        self.plan = plan
+        self.params = list(params)
         self.uncapturable: set[Hashable] = set()
         self.guard: ReplayGuard | None = None
+        self._hooks: list[ReplayHook] = []
 
+    # ------------------------------------------------------------------ lookup
     def __len__(self) -> int:
         return len(self._graphs)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
 
     def __iter__(self) -> Iterator[Hashable]:
         return iter(self._graphs)
 
+    def keys_of(self, kind: str) -> list[Hashable]:
+        """The keys whose first entry is ``kind`` ("train" or "eval"), oldest first."""
+        return [key for key in self._graphs if isinstance(key, tuple) and key[0] == kind]
+
     def get(self, key: Hashable) -> CapturedGraph | None:
         return self._graphs.get(key)
 
-    def signatures(self, kind: str) -> list[Any]:
-        """The input signatures captured for ``kind`` ("train" or "eval"), oldest first."""
-        return [key[1] for key in self._graphs if isinstance(key, tuple) and key[0] == kind]
+    def register_replay_hook(self, hook: ReplayHook) -> None:
+        """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
+        self._hooks.append(hook)
 
+    # ----------------------------------------------------------------- capture
     def capture(
-        self, static_inputs: tuple[torch.Tensor, ...], body: Callable[[], Any]
-    ) -> CapturedGraph | str:
-        """Capture ``body`` on the step's stream; the graph, or the first error's text.
+        self, key: Hashable, batch: Batch, body: Callable[[Batch], Any]
+    ) -> CapturedGraph | CaptureFailure:
+        """Capture ``body`` on a copy of ``batch`` (its static inputs) and keep it under ``key``.
 
-        A capture runs no kernel, so a failed one leaves model and optimizer untouched.
+        Capturing runs no kernel, so a failed capture leaves parameters, optimizer state and
+        BatchNorm buffers as they were; the caller restores what runs on the host (DDP's reducer).
+        The caller replays the graph once to train on ``batch``.
         """
+        static = batch.with_tensors([t.clone() for t in batch.tensors])
+        self.plan.sync_lr()  # the LR is read from its tensor; a fill_ inside would be frozen
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -79,15 +116,49 @@ class GraphCache:
             with torch.cuda.graph(
                 graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"
             ):
-                output = body()
+                output = body(static)
         except Exception as exc:
             torch.cuda.synchronize(self._stream.device)
             _release_rng_from_failed_capture(self._stream)
-            return first_capture_error(exc)
-        return CapturedGraph(graph, static_inputs, output)
-
-    def add(self, key: Hashable, captured: CapturedGraph) -> None:
+            self.uncapturable.add(key)
+            return CaptureFailure(first_capture_error(exc))
+        captured = CapturedGraph(graph, static.tensors, output)
         self._graphs[key] = captured
+        if self.guard is None:
+            self.guard = ReplayGuard(self.params, self.plan.optimizer)
+        return captured
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, key: Hashable, batch: Batch) -> Any:
+        """Replay the graph of ``key`` on ``batch``; its output (graph-owned, overwritten by the
+        next replay of this key). The caller has run :meth:`check` since the last change."""
+        captured = self._graphs[key]
+        self.plan.sync_lr()
+        for static, tensor in zip(captured.static_inputs, batch.tensors):
+            static.copy_(tensor, non_blocking=True)
+        captured.graph.replay()
+        stream = torch.cuda.current_stream(self._stream.device)
+        for hook in self._hooks:
+            hook(stream)
+        return captured.output
+
+    def check(self) -> GuardVerdict:
+        """What changed since capture, with optimizer reloads already put back in place."""
+        return GuardVerdict.OK if self.guard is None else self.guard.check()
+
+    # ----------------------------------------------------------------- dropping
+    def drop(self, kind: str) -> int:
+        """Drop the graphs of ``kind`` (e.g. every training graph before a re-capture)."""
+        keys = self.keys_of(kind)
+        for key in keys:
+            del self._graphs[key]
+        if not self._graphs:
+            # torch frees a private pool when its last graph goes: capture into a new one
+            self._pool = None
+        self.uncapturable = {k for k in self.uncapturable if not _is_kind(k, kind)}
+        if kind == "train":
+            self.guard = None
+        return len(keys)
 
     def close(self) -> None:
         """Free every graph and the pool. The caller makes sure no replay is in flight."""
@@ -99,44 +170,88 @@ class GraphCache:
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
 
 
-class ReplayGuard:
-    """Detects parameters or optimizer state replaced since capture (the graph reads the old ones).
+def _is_kind(key: Hashable, kind: str) -> bool:
+    return isinstance(key, tuple) and bool(key) and key[0] == kind
 
-    Runs before every replay, so it compares flat lists of data pointers: a few microseconds for
-    hundreds of tensors.
+
+class GuardVerdict(enum.Enum):
+    """What :meth:`ReplayGuard.check` found."""
+
+    OK = "ok"
+    RECAPTURE = "recapture"  # the graphs read something that changed: capture them again
+
+
+class ReplayGuard:
+    """Detects what changed since capture that a replay would silently get wrong.
+
+    Runs before every replay, so it compares flat lists: data pointers of the parameters, their
+    ``requires_grad`` flags, the identity of the optimizer's state dict and the param groups'
+    plain values; a few microseconds for hundreds of tensors.
+
+    * optimizer state replaced (``optimizer.load_state_dict``): the new values are copied into
+      the tensors the graphs read (:func:`ddpgraph.optim.restore_identities`), never a new
+      baseline; a slot that cannot be restored asks for a re-capture;
+    * a param-group value changed (weight decay, betas), or a parameter's ``requires_grad``:
+      re-capture (the graph baked the old value in);
+    * a parameter replaced (``p.data = new``): :class:`CaptureError`, the graph would train the
+      old tensor.
     """
 
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
-        self._params = params
-        self._pointers = [p.data_ptr() for p in params]
-        self._optimizer = optimizer
-        self._state = optimizer.state
+        self.params = params
+        self.optimizer = optimizer
+        self.changes: list[str] = []  # what check() found and handled, oldest first
+        self._pointers = [p.data_ptr() for p in self.params]
+        self._requires_grad = [p.requires_grad for p in self.params]
+        self._kept = tensor_slots(self.optimizer)  # what the graphs read: never re-baselined
+        self._groups = hyperparameters(self.optimizer)
+        self._index_slots()
+
+    def _index_slots(self) -> None:
+        self._state = self.optimizer.state
         self._slots = [
             (state, key)
-            for state in optimizer.state.values()
+            for state in self._state.values()
             for key, value in state.items()
             if isinstance(value, torch.Tensor)
         ]
-        self._state_pointers = self._current_state_pointers()
+        self._slot_pointers = self._current_slot_pointers()
 
-    def _current_state_pointers(self) -> list[int]:
+    def _current_slot_pointers(self) -> list[int]:
         return [state[key].data_ptr() for state, key in self._slots]
 
-    def check(self) -> None:
-        if [p.data_ptr() for p in self._params] != self._pointers:
+    def check(self) -> GuardVerdict:
+        if [p.data_ptr() for p in self.params] != self._pointers:
             self._raise_for_parameter()
+        verdict = GuardVerdict.OK
+        if [p.requires_grad for p in self.params] != self._requires_grad:
+            self.changes.append("a parameter's requires_grad changed")
+            verdict = GuardVerdict.RECAPTURE
         if (
-            self._optimizer.state is not self._state
-            or self._current_state_pointers() != self._state_pointers
+            self.optimizer.state is not self._state
+            or self._current_slot_pointers() != self._slot_pointers
         ):
-            raise CaptureError(
-                "the optimizer's state tensors were replaced since capture (e.g. by "
-                "optimizer.load_state_dict), so the graph would update the old ones; use "
-                "step.load_state_dict(), which copies in place."
-            )
+            verdict = self._restore_optimizer() or verdict
+        if hyperparameters(self.optimizer) != self._groups:
+            self.changes.append("an optimizer param-group value changed")
+            verdict = GuardVerdict.RECAPTURE
+        return verdict
+
+    def _restore_optimizer(self) -> GuardVerdict | None:
+        lost = restore_identities(self.optimizer, self._kept)
+        self._index_slots()
+        if lost:
+            self.changes.append(f"the optimizer's state was replaced ({', '.join(lost[:3])} lost)")
+            return GuardVerdict.RECAPTURE
+        kept = {t.data_ptr() for t in self._kept.values()}
+        if any(pointer not in kept for pointer in self._slot_pointers):
+            self.changes.append("the optimizer holds state tensors the graphs never saw")
+            return GuardVerdict.RECAPTURE
+        self.changes.append("optimizer state loaded: values copied into the captured tensors")
+        return None
 
     def _raise_for_parameter(self) -> None:
-        for i, (param, pointer) in enumerate(zip(self._params, self._pointers)):
+        for i, (param, pointer) in enumerate(zip(self.params, self._pointers)):
             if param.data_ptr() != pointer:
                 raise CaptureError(
                     f"parameter {i} (shape {tuple(param.shape)}) was replaced since capture, so "
@@ -168,6 +283,27 @@ def first_capture_error(exc: BaseException) -> str:
         current = current.__cause__ or current.__context__
     first = chain[-1]
     text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
+    where = library_frame(traceback.extract_tb(first.__traceback__))
+    at = f" at {where}" if where is not None else ""
     known = explain_exception(first)
     explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
-    return f"capture failed: {type(first).__name__}: {text}{explained}"
+    return f"capture failed: {type(first).__name__}: {text}{at}{explained}"
+
+
+def library_frame(frames: Sequence[traceback.FrameSummary]) -> str | None:
+    """The innermost frame outside torch and ddpgraph: the line that did it (the user's, or a
+    library's such as transformers'), as ``file:line `code```."""
+    for frame in reversed(frames):
+        if os.path.abspath(frame.filename).startswith(_SKIPPED_DIRS):
+            continue
+        return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+    return None
+
+
+# package directories by path, not by a "/torch/" substring: a virtual environment can be named
+# torch (/opt/torch/.venv/.../transformers would be skipped)
+_SKIPPED_DIRS = (
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "warnings.py",
+)

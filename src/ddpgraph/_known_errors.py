@@ -156,6 +156,20 @@ KNOWN: tuple[Known, ...] = (
             ),
         ),
     ),
+    _single(
+        "capture-cpu-copy",
+        r"Cannot copy between CPU and CUDA tensors during CUDA graph capture",
+        "a pageable CPU tensor copied to the GPU inside CUDA-graph capture",
+        "the captured code builds a tensor on the CPU and moves it to the GPU (torch.tensor(...)"
+        ".to(device), a Python list turned into a tensor each step); a graph cannot replay a copy "
+        "from pageable host memory. In transformers this is the attention-mask code of "
+        "attn_implementation='eager', and the KV cache a model builds when its config says "
+        "use_cache=True (Mistral's sliding-window cache, cache_utils.py)",
+        "create the tensor on the device (torch.tensor(..., device=x.device)) or once, outside "
+        "the step, as a buffer; for transformers train with model.config.use_cache = False "
+        "(training needs no KV cache) and attn_implementation='sdpa', or pass a prebuilt 4-D "
+        "float attention mask",
+    ),
     _known(
         "capture-not-permitted",
         r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported"

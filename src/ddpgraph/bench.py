@@ -260,11 +260,8 @@ def run_mode(
             "time_to_first_replay_s": report.time_to_first_replay,
             "fallbacks": report.fallbacks,
         }
-        cache = step._cache
-        trained = cache.signatures("train") if cache is not None else []
-        captured = cache.get(("train", trained[0])) if cache is not None and trained else None
-        if captured is not None:  # the floor: its own graph replayed with no wrapper at all
-            graph = captured.graph
+        graph = step.bare_graph()
+        if graph is not None:  # the floor: its own graph replayed with no wrapper at all
             result["bare_replay"] = _summary(_step_times(graph.replay, steps, device))
         return result
 

@@ -42,6 +42,7 @@ from torch import nn
 
 from ._log import get_logger
 from .errors import ConfigError
+from .optim import restore_identities, tensor_slots
 
 __all__ = [
     "CheckpointError",
@@ -217,7 +218,7 @@ def _live_state(parts: _Parts, rank: int) -> dict[str, Any]:
         # its _last_lr holds floats until the first step with a tensor LR, tensors after it
         state["scheduler"] = _Opaque(parts.scheduler.state_dict())
     if parts.train_step is not None:
-        state["train_step"] = _Opaque({"steps": parts.train_step.report().steps})
+        state["train_step"] = _Opaque(_train_step_counters(parts.train_step))
     state["rng"] = {f"rank{rank}": _Opaque(_rng_state())}  # whole: with or without CUDA
     if parts.loader is not None:
         state["loader"] = {f"rank{rank}": _Opaque(parts.loader.state_dict())}
@@ -663,7 +664,7 @@ def load_checkpoint(
             "RNG states and data positions are per rank."
         )
     state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
-    before = _tensor_identities(parts.optimizer)
+    before = tensor_slots(parts.optimizer) if parts.optimizer is not None else {}
     _raise_on_any_rank(_misfit(path, state), distributed)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path, no_dist=not distributed)
@@ -760,22 +761,13 @@ def _few(keys: list[str], limit: int = 4) -> str:
     return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def _tensor_identities(
-    optimizer: torch.optim.Optimizer | None,
-) -> dict[tuple[int, str], torch.Tensor]:
-    """The optimizer's state and LR tensors by (slot, key), to keep them after loading."""
-    if optimizer is None:
-        return {}
-    found: dict[tuple[int, str], torch.Tensor] = {}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for i, param in enumerate(params):
-        for key, value in optimizer.state.get(param, {}).items():
-            if isinstance(value, torch.Tensor):
-                found[(i, key)] = value
-    for g, group in enumerate(optimizer.param_groups):
-        if isinstance(group.get("lr"), torch.Tensor):
-            found[(-1 - g, "lr")] = group["lr"]
-    return found
+def _train_step_counters(train_step: Any) -> dict[str, Any]:
+    """What a TrainStep holds besides model and optimizer: its step count, fp16's scale."""
+    counters: dict[str, Any] = {"steps": train_step.report().steps}
+    scaler = train_step.state_dict().get("scaler")
+    if scaler is not None:
+        counters["scaler"] = scaler
+    return counters
 
 
 def _apply(
@@ -793,37 +785,17 @@ def _apply(
         parts.model, optimizers, model_state_dict=state["model"], optim_state_dict=optimizer_state
     )
     if parts.optimizer is not None:
-        _restore_identities(parts.optimizer, before)
+        restore_identities(parts.optimizer, before)
     if parts.scheduler is not None:
         parts.scheduler.load_state_dict(_opened(state["scheduler"]))
     if parts.train_step is not None:
         # TrainStep's own in-place load: re-reads the optimizer's LR tensors and replay guard
         own = parts.train_step.state_dict()
-        own["steps"] = int(_opened(state["train_step"])["steps"])
+        saved = _opened(state["train_step"])
+        own["steps"] = int(saved["steps"])
+        if "scaler" in saved:  # fp16's loss scale
+            own["scaler"] = saved["scaler"]
         parts.train_step.load_state_dict(own)
     if parts.loader is not None:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
     _set_rng_state(_opened(state["rng"][f"rank{rank}"]))
-
-
-def _restore_identities(
-    optimizer: torch.optim.Optimizer, before: dict[tuple[int, str], torch.Tensor]
-) -> None:
-    """Put the loaded values back into the tensors a captured graph reads.
-
-    ``Optimizer.load_state_dict`` (inside ``set_state_dict``) deep-copies the param groups, so a
-    device LR tensor becomes a new tensor; state tensors may be replaced too.
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    for i, param in enumerate(params):
-        slots = optimizer.state.get(param, {})
-        for key, value in list(slots.items()):
-            old = before.get((i, key))
-            if old is not None and isinstance(value, torch.Tensor) and value is not old:
-                old.copy_(value)
-                slots[key] = old
-    for g, group in enumerate(optimizer.param_groups):
-        old = before.get((-1 - g, "lr"))
-        if old is not None and group["lr"] is not old:
-            old.fill_(float(group["lr"]))
-            group["lr"] = old

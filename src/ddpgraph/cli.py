@@ -142,6 +142,15 @@ def train(
     "TrainStep + pad_batch buckets); JSON only.",
 )
 @click.option(
+    "--hf",
+    "hf",
+    multiple=True,
+    is_flag=False,
+    flag_value="all",
+    help="With --varlen: real transformers models (GPT-2, Llama, BERT, ... or the names given) "
+    "fed padded, attention-masked batches; needs a GPU and transformers.",
+)
+@click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
     default=Path("benchmarks/results/bench.json"),
@@ -155,9 +164,21 @@ def bench(
     repeats: int,
     quick: bool,
     varlen: bool,
+    hf: tuple[str, ...],
     out: Path,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    if varlen and hf:
+        from .bench_hf import ARCHITECTURES, run_hf
+
+        names = [n for n in hf if n != "all"] or None
+        unknown = sorted(set(names or []) - set(ARCHITECTURES))
+        if unknown:
+            raise click.BadParameter(
+                f"unknown {unknown}; choose from {', '.join(ARCHITECTURES)}", param_hint="--hf"
+            )
+        run_hf(repeats=repeats, out=out, only=names, steps=steps)
+        return
     if varlen:
         from .bench_varlen import run_varlen
 

@@ -8,13 +8,25 @@ seen by the replayed kernels without a re-capture.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .errors import CaptureError
 
-__all__ = ["GraphSafeOptimizer", "make_graph_safe"]
+__all__ = [
+    "GraphSafeOptimizer",
+    "TensorSlots",
+    "hyperparameters",
+    "make_graph_safe",
+    "restore_identities",
+    "tensor_slots",
+]
+
+# (parameter index, state key) for state tensors; (-1 - group index, "lr") for LR tensors
+TensorSlots = dict[tuple[int, str], torch.Tensor]
 
 
 @dataclass
@@ -44,37 +56,45 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
     Raises :class:`CaptureError` naming the optimizer when it cannot be captured. Call before the
     optimizer's first step so its state is created on the device.
     """
-    name = type(optimizer).__name__
+    problem = graph_safety_problem(optimizer)
+    if problem is not None:
+        raise CaptureError(problem)
     changes: list[str] = []
     for group in optimizer.param_groups:
         if "capturable" in group:
             if not group["capturable"]:
                 group["capturable"] = True
                 changes.append("capturable=True")
-        elif isinstance(optimizer, torch.optim.SGD):
-            _make_sgd_graph_safe(group, name)
+        else:  # SGD (graph_safety_problem allows no other)
+            # foreach SGD turns a tensor LR into `alpha=-lr`, an implicit .item() that breaks
+            # capture; the fused kernel takes the LR tensor itself.
+            group["fused"] = True
+            group["foreach"] = False
             if "fused=True" not in changes:
                 changes.append("fused=True")
-        else:
-            raise CaptureError(
-                f"{name} cannot be stepped inside a CUDA graph (it has no `capturable` option); "
-                "use SGD, Adam or AdamW, or pass graph='never' to TrainStep."
-            )
-        if group.get("differentiable"):
-            raise CaptureError(f"{name}(differentiable=True) cannot be captured; turn it off.")
     _move_step_counters(optimizer, device)
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
     changes.append("lr on device")
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
 
 
-def _make_sgd_graph_safe(group: dict, name: str) -> None:
-    # foreach SGD turns a tensor LR into `alpha=-lr`, an implicit .item() that breaks capture;
-    # the fused kernel takes the LR tensor itself.
-    if any(p.is_sparse or not p.is_floating_point() for p in group["params"]):
-        raise CaptureError(f"{name} with sparse or non-float parameters cannot be captured.")
-    group["fused"] = True
-    group["foreach"] = False
+def graph_safety_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be stepped inside a CUDA graph, or None; changes nothing, so
+    it also runs on CPU (a dry run names what the GPU run would refuse)."""
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        if "capturable" not in group and not isinstance(optimizer, torch.optim.SGD):
+            return (
+                f"{name} cannot be stepped inside a CUDA graph (it has no `capturable` option); "
+                "use SGD, Adam or AdamW, or pass graph='never' to TrainStep."
+            )
+        if group.get("differentiable"):
+            return f"{name}(differentiable=True) cannot be captured; turn it off."
+        if "capturable" not in group and any(
+            p.is_sparse or not p.is_floating_point() for p in group["params"]
+        ):
+            return f"{name} with sparse or non-float parameters cannot be captured."
+    return None
 
 
 def _move_step_counters(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
@@ -92,3 +112,68 @@ def _lr_tensor(group: dict, device: torch.device) -> torch.Tensor:
     tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
     group["lr"] = tensor
     return tensor
+
+
+def tensor_slots(optimizer: torch.optim.Optimizer) -> TensorSlots:
+    """The optimizer's state and LR tensors by slot: what a captured graph reads and writes."""
+    found: TensorSlots = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                found[(i, key)] = value
+    for g, group in enumerate(optimizer.param_groups):
+        if isinstance(group.get("lr"), torch.Tensor):
+            found[(-1 - g, "lr")] = group["lr"]
+    return found
+
+
+def restore_identities(optimizer: torch.optim.Optimizer, kept: TensorSlots) -> list[str]:
+    """Put an optimizer's new values back into the tensors in ``kept`` (the one in-place load).
+
+    ``Optimizer.load_state_dict`` (alone, or inside DCP's ``set_state_dict``) replaces the state
+    tensors and deep-copies the param groups, so a graph captured before it would keep updating
+    the old tensors. This copies each new value into the kept tensor and points the optimizer
+    back at it. Returns the slots it could not restore (missing, or another shape or dtype): a
+    graph that reads them has to be captured again.
+    """
+    lost: list[str] = []
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    current = tensor_slots(optimizer)
+    for (index, key), old in kept.items():
+        if index < 0:
+            continue
+        new = current.get((index, key))
+        if new is old:
+            continue
+        if new is None or new.shape != old.shape:
+            lost.append(f"parameter {index} {key!r}")
+            continue
+        old.copy_(new)  # dtype/device converted by copy_ (a CPU step counter after a plain load)
+        optimizer.state[params[index]][key] = old
+    for g, group in enumerate(optimizer.param_groups):
+        lr = kept.get((-1 - g, "lr"))
+        if lr is not None and group["lr"] is not lr:
+            lr.fill_(float(group["lr"]))
+            group["lr"] = lr
+    return lost
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Hashable]]:
+    """Each param group's plain values (betas, weight decay, ...) that a capture bakes in.
+
+    The LR is a device tensor (read at replay) and the parameters are checked by pointer, so
+    neither is included; unhashable or tensor values are left out too.
+    """
+    return [
+        {key: _frozen(value) for key, value in group.items() if key not in ("params", "lr")}
+        for group in optimizer.param_groups
+    ]
+
+
+def _frozen(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value if isinstance(value, Hashable) else repr(value)

@@ -28,9 +28,9 @@ import time
 import traceback
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -38,12 +38,19 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import watchdog
+from ._amp import LossScaler, amp_dtype, check_scaler_options, skips_on_device
 from ._batch import Batch, Signature, describe, differences, make_batch
-from ._graphs import CapturedGraph, GraphCache, ReplayGuard
+from ._graphs import CapturedGraph, CaptureFailure, Graphs, GuardVerdict, library_frame
 from ._log import get_logger
 from .errors import CaptureError, ConfigError, DeviceConflictError
 from .facts import DDP_STATS_SAMPLE_RATE, DEFAULT_WARMUP, ddp_count_allows_capture
-from .optim import GraphSafeOptimizer, make_graph_safe
+from .optim import (
+    GraphSafeOptimizer,
+    graph_safety_problem,
+    make_graph_safe,
+    restore_identities,
+    tensor_slots,
+)
 
 __all__ = ["Phase", "StepReport", "TrainStep", "model_loss"]
 
@@ -56,23 +63,28 @@ class StepOptions:
     """TrainStep's options, validated when the TrainStep is built."""
 
     graph: GraphMode = "auto"
-    amp: str | None = None
+    amp: Any = None  # normalised to "bf16", "fp16" or None
     accumulate: int = 1
     clip_grad_norm: float | None = None
     on_new_shape: NewShapePolicy = "eager"
     warmup: int | None = None
     compile: bool | Mapping[str, Any] = False
     channels_last: bool = False
+    grad_scaler: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
+        dtype = amp_dtype(self.amp)
+        name = None if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        object.__setattr__(self, "amp", name)
+        if self.grad_scaler is not None and self.amp != "fp16":
+            raise ConfigError(
+                f"grad_scaler={dict(self.grad_scaler)!r} scales fp16 losses, but amp={self.amp!r}; "
+                "pass amp='fp16' or drop grad_scaler (bf16 needs no loss scaling)."
+            )
+        object.__setattr__(self, "grad_scaler", check_scaler_options(self.grad_scaler))
         _check_compile(self.compile)
         _check_choice("graph", self.graph, ("auto", "always", "never"))
         _check_choice("on_new_shape", self.on_new_shape, ("eager", "capture", "error"))
-        if self.amp not in (None, "bf16"):
-            raise ConfigError(
-                f"amp={self.amp!r} is not supported; use amp='bf16' (fp16 needs a loss scaler "
-                "whose inf checks cannot be captured) or amp=None."
-            )
         if not _is_int(self.accumulate) or self.accumulate < 1:
             raise ConfigError(f"accumulate={self.accumulate!r} must be an integer >= 1.")
         if self.clip_grad_norm is not None and not (
@@ -123,6 +135,7 @@ class Phase(enum.Enum):
     WARMUP = "warmup"
     GRAPHED = "graphed"
     EAGER = "eager"
+    CLOSED = "closed"
 
 
 @dataclass
@@ -147,6 +160,8 @@ class StepReport:
     captures: list[CaptureRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
     optimizer_changes: list[str] = field(default_factory=list)
+    recaptures: list[str] = field(default_factory=list)  # why training graphs were re-captured
+    skipped_steps: int | None = None  # fp16: optimizer steps skipped for inf/NaN gradients
     time_to_first_replay: float | None = None  # seconds from construction to the first replay
 
     def __str__(self) -> str:
@@ -156,6 +171,8 @@ class StepReport:
         ]
         if self.evaluations:
             lines[0] += f" evaluations={self.evaluations} (replayed {self.eval_replays})"
+        if self.skipped_steps is not None:
+            lines[0] += f" skipped (fp16 overflow)={self.skipped_steps}"
         lines += [
             f"captured {c.kind} {describe(c.signature)} at step {c.at_step} in "
             f"{c.seconds * 1e3:.0f} ms"
@@ -163,6 +180,7 @@ class StepReport:
         ]
         if self.optimizer_changes:
             lines.append("optimizer made graph-safe: " + ", ".join(self.optimizer_changes))
+        lines += [f"re-captured: {reason}" for reason in self.recaptures]
         lines += [f"fallback: {reason}" for reason in self.fallbacks]
         return "\n".join(lines)
 
@@ -175,32 +193,55 @@ class TrainStep:
 
     Batches (call it on every rank, the same number of times):
         ``step(*inputs, target)``: ``loss_fn(model(*inputs), target)``.
-        ``step(*inputs)`` with ``loss_fn=None``: the model computes its loss (below).
+        ``step(*inputs)`` with ``loss_fn=None``: ``model(*inputs)`` computes its own loss, as
+            scripts call it (nanoGPT's ``logits, loss = model(X, Y)`` becomes ``step(X, Y)``).
         ``step(batch)`` with one mapping (dict, HF ``BatchEncoding``): ``model(**batch)``; with a
             ``loss_fn`` the loss is ``loss_fn(output, batch)``.
-        With ``loss_fn=None`` the loss is ``output.loss``, ``output["loss"]``, or the output itself
-        when it is a scalar tensor (HF models given ``labels`` compute it).
+        With ``loss_fn=None`` the loss is the output itself when it is a scalar tensor,
+        ``output.loss``, ``output["loss"]``, or the one 0-dim floating tensor of a tuple or list
+        output (``(logits, loss)``); anything else is a ``ValueError`` naming what was found.
 
-    The returned loss is owned by the graph once the step is captured: the next call overwrites
-    it in place. ``loss.clone()`` (or ``float(loss)``, a host sync) keeps a value.
+    The returned loss and :attr:`output` (the model's output of the latest step, for train-time
+    metrics) are owned by the graph once the step is captured: the next call overwrites them in
+    place. ``loss.clone()`` (or ``float(loss)``, a host sync) keeps a value.
+
+    Modes follow the model, as in eager PyTorch: a step taken after ``model.eval()`` (or with only
+    some submodules in eval mode, e.g. frozen BatchNorm) runs and captures its own graph, keyed by
+    the modules' modes; no graph replays in a mode other than the one it was captured in.
 
     Phases (:attr:`phase`): ``WARMUP`` runs eager steps (DDP needs 11 before it can be captured);
     then every rank captures the step and agrees that all succeeded, and ``GRAPHED`` replays it,
-    capturing one more graph per new input signature when ``on_new_shape="capture"``; ``EAGER``
-    runs eagerly, for the reason in ``report().fallbacks``. :meth:`evaluate` runs the forward
-    only, graphed after its own warm-up, in the same memory pool. :meth:`close` frees the graphs.
+    capturing one more graph per new input signature (``on_new_shape="capture"``) or mode.
+    A host sync seen in the last warm-up step does not stop the capture (libraries such as
+    transformers >= 5 skip their checks while capturing); only a capture that fails falls back,
+    naming the line found in warm-up as the likely cause. ``EAGER`` runs eagerly, for the reason
+    in ``report().fallbacks``; ``CLOSED`` after :meth:`close`. :meth:`evaluate` runs the forward
+    only, graphed after its own warm-up, in the same memory pool.
+
+    Changes a script makes between steps are detected before the next replay:
+    ``optimizer.load_state_dict(...)`` (values copied into the tensors the graph reads), a
+    param-group value or a parameter's ``requires_grad`` (the training graphs are captured
+    again, with a warning); a replaced parameter raises :class:`CaptureError`.
 
     Options (keyword-only, validated here):
         graph: "auto" captures where CUDA is available and falls back to eager with a warning that
             explains why; "always" raises :class:`CaptureError` instead; "never" stays eager.
-        amp: None or "bf16" (autocast around forward and loss).
+        amp: None, bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``) or fp16 (``"fp16"``,
+            ``"float16"``, ``torch.float16``): autocast around forward and loss. fp16 adds dynamic
+            loss scaling inside the graph, op for op as ``torch.amp.GradScaler`` with a fused
+            optimizer (Adam/AdamW/SGD are switched to their fused kernel on CUDA): an overflowed
+            step is skipped on the device, :attr:`loss_scale` is the scale, ``report()`` counts
+            skipped steps, checkpoints keep the scale.
+        grad_scaler: fp16 only: ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, as ``torch.amp.GradScaler`` takes them (and its defaults).
         accumulate: k micro-batches per step (every batch tensor is split along dim 0); gradients
-            are all-reduced once, on the last.
+            are all-reduced once, on the last; :attr:`output` is the last micro-batch's.
         clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
         on_new_shape: for a batch whose shapes/dtypes/devices differ from every captured one:
             "eager" runs that step eagerly, "capture" records another graph sharing the memory pool
             (pad batches to a few shapes with :func:`ddpgraph.pad_batch`), "error" raises
-            ``ValueError`` naming the entry that changed.
+            ``ValueError`` naming the entry that changed (on CPU too, against the step that would
+            have been captured).
         warmup: eager steps before capture (default 12); raised as needed so that DDP's forward at
             capture is not one it times.
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (``gradient_as_bucket_view=True``
@@ -209,6 +250,9 @@ class TrainStep:
 
     With a process group the model is wrapped in DDP (``step.model``); without one, it is used
     as is. Pass the bare module, not a DDP: on CUDA the wrapping must happen on the capture stream.
+    With DDP's ``broadcast_buffers`` (the default) each step ends by broadcasting rank 0's buffers
+    (what DDP's next forward would do), so :meth:`evaluate` sees on every rank what DDP's own
+    eval forward would, without a collective of its own.
     """
 
     def __init__(
@@ -218,7 +262,7 @@ class TrainStep:
         loss_fn: LossFn | None = None,
         *,
         graph: GraphMode = "auto",
-        amp: str | None = None,
+        amp: str | torch.dtype | None = None,
         accumulate: int = 1,
         clip_grad_norm: float | None = None,
         on_new_shape: NewShapePolicy = "eager",
@@ -227,40 +271,57 @@ class TrainStep:
         scheduler: Any = None,
         compile: bool | Mapping[str, Any] = False,
         channels_last: bool = False,
+        grad_scaler: Mapping[str, float] | None = None,
     ) -> None:
         self.options = StepOptions(
-            graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile, channels_last
+            graph,
+            amp,
+            accumulate,
+            clip_grad_norm,
+            on_new_shape,
+            warmup,
+            compile,
+            channels_last,
+            grad_scaler,
         )
-        if isinstance(model, DistributedDataParallel):
-            raise ConfigError(
-                "TrainStep got a DistributedDataParallel model; pass the bare module: TrainStep "
-                "wraps it in DDP itself, on the stream it captures with."
-            )
+        _check_model(model)
+        _check_optimizer(optimizer, model)
         if loss_fn is not None and not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} is not callable.")
         self.device = _model_device(model)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scheduler = scheduler
-        self._amp_dtype = torch.bfloat16 if amp == "bf16" else None
+        self._amp_dtype = amp_dtype(self.options.amp)
+        self._scaler = (
+            LossScaler(self.device, self.options.grad_scaler or {})
+            if self.options.amp == "fp16"
+            else None
+        )
         self._stream = _capture_stream(self.device) if self.device.type == "cuda" else None
         if channels_last:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         self._module = model
+        self._submodules = list(model.modules())  # their modes key the graphs
         self._ddp_kwargs = dict(ddp_kwargs or {})
         self._ddp_sample_rate = DDP_STATS_SAMPLE_RATE
         self._compile_pending = bool(compile)  # compiled, but not yet past its first forward
         self.model = self._wrap(_compiled(model, compile) if compile else model)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._sync_forwards = 0  # DDP forwards that advanced its iteration counter
         self._start = time.perf_counter()
         self._warmup = self._planned_warmup()
         self._report = StepReport(mode="eager")
-        self._cache = GraphCache(self._stream) if self._stream is not None else None
-        self._eval_calls: Counter[Signature] = Counter()
-        self._pending_failure: str | None = None  # this rank cannot capture; told at agreement
-        self._optimizer_plan, reason = self._make_optimizer_graph_safe()
+        self._eval_calls: Counter[Hashable] = Counter()
+        self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
+        self._reference: Signature | None = None  # the signature on_new_shape compares against
+        self._eager_before_capture = 0  # eager steps DDP needs before the next capture
+        self._signatures: set[Signature] = set()  # every training signature ever captured
+        self.output: Any = None
         self._phase = Phase.WARMUP
+        plan, reason = self._make_optimizer_graph_safe()
+        self._graphs = self._new_graphs(plan)
+        if self._graphs is not None and self._stream is not None:
+            self._graphs.register_replay_hook(self._watch_replay)
         if reason is not None:
             self._enter_eager(reason, warn=self._stream is not None)
         self._report.mode = self.mode
@@ -276,15 +337,101 @@ class TrainStep:
         return self._phase.value
 
     def report(self) -> StepReport:
-        """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason."""
+        """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason;
+        with fp16 the steps skipped for inf/NaN gradients (read from the device: a sync)."""
         self._report.mode = self.mode
+        if self._scaler is not None:
+            self._report.skipped_steps = int(self._scaler.skipped.item())
         return self._report
 
     def __call__(self, *args: Any) -> torch.Tensor:
+        self._check_open("step()")
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
+        self._check_shape_policy(batch.signature)
         loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
         return loss
+
+    def evaluate(self, *args: Any) -> Any:
+        """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
+        ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
+
+        Rank-local (no collective; each rank evaluates its own batches, so uneven evaluation
+        sets cannot hang). With DDP's ``broadcast_buffers`` every rank holds rank 0's buffers
+        after each step, so the result is what DDP's own eval forward gives. On CUDA the forward
+        is captured after two eager calls per input signature, in the training graphs' pool, and
+        replayed; the output is then graph-owned like the loss (the next evaluate() of that
+        signature overwrites it). Every module's own mode is restored when this returns.
+        """
+        self._check_open("evaluate()")
+        batch = make_batch(args, min_positional=1)
+        self._report.evaluations += 1
+        return self._run_watched("eval", self._evaluate, batch)
+
+    def close(self) -> None:
+        """Free every captured graph and their memory pool; later calls raise.
+
+        Call on every rank (a rank that keeps replaying would pair its graph's all-reduces with
+        its peers' eager ones, which is safe, but the memory is the reason to close). Follow with
+        ``torch.cuda.empty_cache()`` to hand the memory back to the driver.
+        """
+        if self._graphs is not None:
+            self._graphs.close()
+        self.output = None
+        self._phase = Phase.CLOSED
+
+    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The first training graph, for benchmarks that time a bare replay; None if none."""
+        if self._graphs is None:
+            return None
+        keys = self._graphs.keys_of("train")
+        captured = self._graphs.get(keys[0]) if keys else None
+        return captured.graph if captured is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model (unwrapped), optimizer, scheduler and step count; safe to save at any step."""
+        state: dict[str, Any] = {
+            "model": _unwrap(self.model).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self._report.steps,
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self._scaler is not None:
+            state["scaler"] = self._scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load in place (the same tensors, new values), so captured graphs stay valid.
+
+        Call on every rank. ``optimizer.load_state_dict`` alone works too: the next replay copies
+        its values into the tensors the graph reads.
+        """
+        missing = {"model", "optimizer"} - set(state)
+        if missing:
+            raise ConfigError(f"state dict lacks {sorted(missing)}; pass TrainStep.state_dict()'s.")
+        kept = tensor_slots(self.optimizer)
+        _unwrap(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(dict(state["optimizer"]))
+        restore_identities(self.optimizer, kept)
+        if self._graphs is not None:
+            self._make_graph_safe_again()
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self._scaler is not None and "scaler" in state:
+            self._scaler.load_state_dict(state["scaler"])
+        self._report.steps = int(state.get("steps", self._report.steps))
+
+    # ------------------------------------------------------------ per call
+    def _step(self, batch: Batch) -> torch.Tensor:
+        mode = self._modes()
+        if self._phase is Phase.WARMUP and self._report.eager_steps >= self._warmup:
+            return self._first_capture(batch, mode)
+        if self._phase is Phase.GRAPHED:
+            loss = self._replay_or_capture(batch, mode)
+            if loss is not None:
+                return loss
+        return self._eager(batch)
 
     def _run_watched(self, phase: str, run: Callable[[Batch], Any], batch: Batch) -> Any:
         """``run(batch)`` as a watched call: a hang in it becomes the watchdog's verdict."""
@@ -307,86 +454,400 @@ class TrainStep:
             return "capture" if self._report.eager_steps >= self._warmup else "warmup"
         return "replay" if self._phase is Phase.GRAPHED else "eager"
 
-    def _step(self, batch: Batch) -> torch.Tensor:
-        if self._phase is Phase.WARMUP and self._report.eager_steps >= self._warmup:
-            return self._first_capture(batch)
-        if self._phase is Phase.GRAPHED:
-            loss = self._replay_or_capture(batch)
-            if loss is not None:
-                return loss
-        return self._eager(batch)
+    def _watch_replay(self, stream: torch.cuda.Stream) -> None:
+        # a graph's collectives are invisible to NCCL's watchdog: this event is what shows a hang
+        wd = watchdog.active()
+        if wd is not None:
+            wd.after_replay(stream, self._report.steps)
 
-    def evaluate(self, *args: Any) -> Any:
-        """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
-        ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
+    def _check_open(self, what: str) -> None:
+        if self._phase is Phase.CLOSED:
+            raise CaptureError(
+                f"{what} on a TrainStep after close(): its graphs and their memory are gone; "
+                "build a new TrainStep to keep training."
+            )
 
-        Rank-local (no collective; each rank evaluates its own batches). On CUDA the forward is
-        captured after two eager calls per input signature, in the training graphs' pool, and
-        replayed; the output is then graph-owned like the loss (the next evaluate() of that
-        signature overwrites it). The model is back in train mode when this returns. Switching
-        between training and evaluation never re-captures.
+    def _check_shape_policy(self, signature: Signature) -> None:
+        """on_new_shape="error", on every device: the signature must stay the captured one."""
+        if self.options.on_new_shape != "error" or self._report.steps <= self._warmup:
+            return
+        if self._reference is None:
+            self._reference = signature
+        elif signature != self._reference:
+            raise ValueError(
+                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but its "
+                f"graph is for {describe(self._reference)} (changed: "
+                f"{differences(signature, self._reference)}); pad batches to one shape "
+                "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
+            )
+
+    def _modes(self) -> tuple[bool, ...]:
+        """Every submodule's ``training`` flag: part of each graph's key."""
+        return tuple(m.training for m in self._submodules)
+
+    # ------------------------------------------------------------ capture policy
+    def _first_capture(self, batch: Batch, mode: tuple[bool, ...]) -> torch.Tensor:
+        """Capture on every rank, then agree; every rank replays, or every rank runs eagerly.
+
+        Ranks that disagreed (one's capture failed) would otherwise carry on with a graph on some
+        ranks and a failed step on others; and with graph="always" every rank raises, not only
+        the one that failed. Every rank reaches this call at the same step (the warm-up length is
+        the same everywhere). Costs one tiny all-reduce, once per run.
         """
-        batch = make_batch(args, min_positional=1)
-        self._report.evaluations += 1
-        return self._run_watched("eval", self._evaluate, batch)
+        assert self._graphs is not None
+        key = ("train", mode, batch.signature)
+        started = time.perf_counter()
+        result = self._capture(key, batch)
+        failed = isinstance(result, CaptureFailure)
+        ok, any_dirty = self._every_rank_agrees(not failed, self._reducer_dirty())
+        if any_dirty:
+            self._reset_reducer()  # on every rank, so DDP's bucket rebuild is collective
+        if not ok:
+            self._graphs.drop("train")
+            reason = (
+                self._explain_failure(result.reason)
+                if isinstance(result, CaptureFailure)
+                else "another rank could not capture its step (its warning says why)"
+            )
+            self._enter_eager(reason)
+            return self._eager(batch)
+        assert isinstance(result, CapturedGraph)
+        self._phase = Phase.GRAPHED
+        self._record_capture(key, started)
+        loss = self._replay(key, batch)
+        self._report.time_to_first_replay = time.perf_counter() - self._start
+        return loss
 
+    def _replay_or_capture(self, batch: Batch, mode: tuple[bool, ...]) -> torch.Tensor | None:
+        """Replay the graph of this key, capturing it first if the policy says so.
+
+        A later capture needs no agreement: capturing runs nothing, and a graph's all-reduces
+        pair with a peer's eager ones like eager ones do (same buckets, same order).
+        """
+        assert self._graphs is not None
+        self._apply_guard()
+        key = ("train", mode, batch.signature)
+        if key in self._graphs:
+            return self._replay(key, batch)
+        if not self._should_capture(key):
+            return None
+        started = time.perf_counter()
+        result = self._capture(key, batch)
+        if isinstance(result, CaptureFailure):
+            self._recover_alone()
+            self._warn_or_raise(
+                f"the batch of {describe(batch.signature)}{_mode_words(mode)} runs eagerly: "
+                f"{self._explain_failure(result.reason)}"
+            )
+            return None
+        self._record_capture(key, started)
+        return self._replay(key, batch)
+
+    def _should_capture(self, key: tuple[str, tuple[bool, ...], Signature]) -> bool:
+        assert self._graphs is not None
+        if key in self._graphs.uncapturable or not self._ddp_ready():
+            return False
+        if self._eager_before_capture > 0:
+            return False
+        # a new mode of a captured shape is always captured; a new shape as the policy says
+        return key[2] in self._signatures or self.options.on_new_shape == "capture"
+
+    def _ddp_ready(self) -> bool:
+        if not isinstance(self.model, DistributedDataParallel):
+            return True
+        return self._count_allows_capture(self._sync_forwards)
+
+    def _apply_guard(self) -> None:
+        """Before a replay: what the script changed is put back in place or re-captured."""
+        assert self._graphs is not None
+        before = len(self._graphs.guard.changes) if self._graphs.guard is not None else 0
+        verdict = self._graphs.check()
+        guard = self._graphs.guard
+        news = guard.changes[before:] if guard is not None else []
+        if verdict is GuardVerdict.RECAPTURE:
+            self._make_graph_safe_again()
+            self._graphs.params = _trainable(self.model)
+            for param in self._frozen_params():
+                param.grad = None  # eager zero_grad(set_to_none=True) would leave it None too
+            dropped = self._graphs.drop("train")
+            _warn_at_user_line(
+                f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
+            )
+            self._report.recaptures.extend(news)
+        elif news:
+            self._make_graph_safe_again()
+            get_logger().info("TrainStep: %s", "; ".join(news))
+
+    def _make_graph_safe_again(self) -> None:
+        """After a reload: a loaded param group may say capturable=False or foreach SGD."""
+        if self._stream is not None:
+            make_graph_safe(self.optimizer, self.device)
+
+    def _frozen_params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if not p.requires_grad]
+
+    def _capture(self, key: Hashable, batch: Batch) -> CapturedGraph | CaptureFailure:
+        """Capture the step for this key on the device copy of ``batch``."""
+        assert self._graphs is not None
+        device_batch = batch.with_tensors(self._to_device_all(batch))
+        result = self._graphs.capture(key, device_batch, self._captured_body)
+        self._sync_forwards += 1  # DDP's host code ran once during capture
+        return result
+
+    def _captured_body(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        loss, output = self._body(batch)
+        return loss, _detached(output)
+
+    def _record_capture(self, key: tuple[str, Any, Signature], started: float) -> None:
+        seconds = time.perf_counter() - started
+        kind, mode, signature = key
+        if kind == "train":
+            self._signatures.add(signature)
+        words = _mode_words(mode) if kind == "train" else ""
+        self._report.captures.append(
+            CaptureRecord(signature, self._report.steps, seconds, kind + words)
+        )
+        get_logger().info(
+            "TrainStep captured %s%s %s in %.0f ms", kind, words, describe(signature), seconds * 1e3
+        )
+
+    def _explain_failure(self, reason: str) -> str:
+        if self._sync_hint is None:
+            return reason
+        return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"
+
+    # ------------------------------------------------------------ failed captures
+    def _reducer_dirty(self) -> bool:
+        """Whether DDP's reducer was left mid-iteration (a capture failed inside backward)."""
+        if not isinstance(self.model, DistributedDataParallel):
+            return False
+        try:
+            self.model.reducer._check_reducer_finalized()
+        except RuntimeError:
+            return True
+        return False
+
+    def _reset_reducer(self) -> None:
+        """Let DDP run again after a backward that never finished.
+
+        ``_reset_state`` also makes DDP rebuild its gradient buckets at the next forward (a
+        collective, and new gradient tensors): every rank does it at the same step, the training
+        graphs (which read the old gradients) are dropped, and two eager steps come before the
+        next capture (one records the order, the next forward rebuilds).
+        """
+        assert isinstance(self.model, DistributedDataParallel) and self._graphs is not None
+        self.model.reducer._reset_state()
+        self._graphs.drop("train")
+        self._eager_before_capture = 2
+
+    def _recover_alone(self) -> None:
+        """After a later capture failed on this rank only (no agreement: peers may be replaying)."""
+        if not self._reducer_dirty():
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        if dist.get_world_size(self.model.process_group) > 1:
+            raise CaptureError(
+                "a capture failed inside DDP's backward on this rank while other ranks may be "
+                "replaying; DDP can only recover with every rank at the same step. Pad batches "
+                "to shapes captured at the start, or pass on_new_shape='eager'."
+            )
+        self._reset_reducer()
+
+    # ------------------------------------------------------------------ eager & replay
+    def _replay(self, key: Hashable, batch: Batch) -> torch.Tensor:
+        assert self._graphs is not None
+        loss, self.output = self._graphs.replay(key, batch)
+        self._report.replays += 1
+        return cast(torch.Tensor, loss)
+
+    def _eager(self, batch: Batch) -> torch.Tensor:
+        self._report.eager_steps += 1
+        warming_up = self._phase is Phase.WARMUP
+        if warming_up:
+            self._report.warmup_steps += 1
+        check_syncs = (
+            warming_up and self._report.eager_steps == self._warmup and self.device.type == "cuda"
+        )
+        with self._on_side_stream():
+            batch = batch.with_tensors(self._to_device_all(batch))
+            if self._graphs is not None:
+                self._graphs.plan.sync_lr()
+            if self._compile_pending:
+                loss, output = self._first_compiled_step(batch)
+            elif check_syncs:
+                syncs = _record_host_syncs(lambda: self._body(batch))
+                loss, output = syncs.result
+                if syncs.found:
+                    self._sync_hint = syncs.describe()
+            else:
+                loss, output = self._body(batch)
+        self._sync_forwards += 1
+        self._eager_before_capture = max(0, self._eager_before_capture - 1)
+        self.output = _detached(output)
+        return loss
+
+    def _to_device_all(self, batch: Batch) -> list[torch.Tensor]:
+        return [self._to_device(t) for t in batch.tensors]
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.to(self.device, non_blocking=True)
+        if self.options.channels_last and tensor.dim() == 4:
+            tensor = tensor.contiguous(memory_format=torch.channels_last)
+        return tensor
+
+    def _first_compiled_step(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """The first forward compiles; if Inductor fails, fall back to the plain module.
+
+        Compilation happens before any kernel of the step runs, so the model is unchanged when
+        it fails and the step is simply run again, uncompiled.
+        """
+        from torch._dynamo.exc import TorchDynamoException
+
+        self._compile_pending = False
+        try:
+            return self._body(batch)
+        except TorchDynamoException as exc:
+            self._warn_or_raise(
+                f"torch.compile failed, so the model runs uncompiled: {_first_line(exc)}"
+            )
+            self.model = self._wrap(self._module)
+            if self._graphs is not None:
+                self._graphs.params = _trainable(self.model)
+            return self._body(batch)
+
+    def _body(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """zero_grad, k x (forward, loss, backward), clip, optimizer step, buffer broadcast.
+
+        Returns the mean loss and the (last micro-batch's) model output. Runs eagerly or under
+        capture; it must not touch the LR (a fill_ captured here would reset the LR on every
+        replay), so callers sync the LR tensors before it.
+        """
+        # set_to_none=False while graphs are possible: a graph reads and writes the same .grad
+        # tensors on every replay
+        self.optimizer.zero_grad(set_to_none=self._phase is Phase.EAGER)
+        k = self.options.accumulate
+        total: torch.Tensor | None = None
+        output: Any = None
+        for i, micro in enumerate(batch.split(k)):
+            with self._no_sync_unless(i == k - 1), self._autocast():
+                loss, output = self._loss(micro)
+            _check_scalar_loss(loss)
+            backward = loss / k
+            (self._scaler.scale(backward) if self._scaler is not None else backward).backward()
+            part = loss.detach().float() / k
+            total = part if total is None else total + part
+        self._clip_and_step()
+        self._broadcast_buffers()
+        assert total is not None
+        return total, output
+
+    def _clip_and_step(self) -> None:
+        """Clip (on unscaled gradients) and step; with fp16, skip an overflowed step on the
+        device and update the scale, as GradScaler does."""
+        clip = self.options.clip_grad_norm
+        # GradScaler unscales before clipping, and for an optimizer that cannot take the scale
+        unscale = self._scaler is not None and (
+            clip is not None or not skips_on_device(self.optimizer)
+        )
+        if self._scaler is not None:
+            grads = [
+                p.grad
+                for group in self.optimizer.param_groups
+                for p in group["params"]
+                if p.grad is not None
+            ]
+            self._scaler.check(grads, unscale=unscale)
+        if clip is not None:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        if self._scaler is None:
+            self.optimizer.step()
+            return
+        self._scaler.step(self.optimizer, unscaled=unscale)
+        self._scaler.update()
+
+    @property
+    def loss_scale(self) -> torch.Tensor | None:
+        """fp16's current loss scale (a device tensor the graph updates); None without fp16."""
+        return self._scaler.scale_tensor if self._scaler is not None else None
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        if batch.kind == "mapping":
+            inputs = batch.as_mapping()
+            output = self.model(**inputs)
+            loss = model_loss(output) if self.loss_fn is None else self.loss_fn(output, inputs)
+        elif self.loss_fn is None:
+            output = self.model(*batch.tensors)
+            loss = model_loss(output)
+        else:
+            output = self.model(*batch.tensors[:-1])
+            loss = self.loss_fn(output, batch.tensors[-1])
+        return loss, output
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank, as DDP's next forward would: evaluate() then sees
+        what DDP's own eval forward sees, with no collective of its own."""
+        ddp = self.model
+        if not isinstance(ddp, DistributedDataParallel) or not ddp.will_sync_module_buffers():
+            return
+        with torch.no_grad():
+            ddp._sync_module_buffers(authoritative_rank=0)
+
+    # -------------------------------------------------------------- evaluation
     def _evaluate(self, batch: Batch) -> Any:
-        key = ("eval", batch.signature)
-        captured = self._cache.get(key) if self._cache is not None else None
+        key = ("eval", self._modes_for_eval(), batch.signature)
         with self._eval_mode():
-            if captured is None and self._eval_capture_due(key):
-                captured = self._capture_eval(key, batch)
-            if captured is not None:
-                self._check_guard()
+            if self._graphs is not None and key not in self._graphs and self._eval_capture_due(key):
+                self._capture_eval(key, batch)
+            if self._graphs is not None and key in self._graphs:
+                self._apply_guard()
                 self._report.eval_replays += 1
-                output = captured.replay(batch.tensors)
-                self._watch_replay()
-                return output
+                return self._graphs.replay(key, batch)
             with self._on_side_stream():
                 return self._forward_eval(batch.with_tensors(self._to_device_all(batch)))
 
-    def close(self) -> None:
-        """Free every captured graph and their memory pool; later steps run eagerly.
+    def _modes_for_eval(self) -> tuple[bool, ...]:
+        return (False,) * len(self._submodules)
 
-        Call on every rank (a rank that keeps replaying would pair its graph's all-reduces with
-        its peers' eager ones, which is safe, but the memory is the reason to close). Follow with
-        ``torch.cuda.empty_cache()`` to hand the memory back to the driver.
-        """
-        if self._cache is not None:
-            self._cache.close()
-        if self._phase is not Phase.EAGER:
-            self._phase = Phase.EAGER
-            self._report.fallbacks.append("close() freed the graphs")
+    def _eval_capture_due(self, key: Hashable) -> bool:
+        assert self._graphs is not None
+        if self.options.graph == "never" or key in self._graphs.uncapturable:
+            return False
+        self._eval_calls[key] += 1
+        return self._eval_calls[key] > _EVAL_WARMUP
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model (unwrapped), optimizer, scheduler and step count; safe to save at any step."""
-        state: dict[str, Any] = {
-            "model": _unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "steps": self._report.steps,
-        }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        return state
+    def _capture_eval(self, key: tuple[str, Any, Signature], batch: Batch) -> None:
+        assert self._graphs is not None
+        started = time.perf_counter()
+        device_batch = batch.with_tensors(self._to_device_all(batch))
+        result = self._graphs.capture(key, device_batch, self._forward_eval)
+        if isinstance(result, CaptureFailure):
+            self._warn_or_raise(
+                f"evaluation of {describe(batch.signature)} runs eagerly: {result.reason}"
+            )
+            return
+        self._record_capture(key, started)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Load in place (the same tensors, new values), so captured graphs stay valid.
+    def _forward_eval(self, batch: Batch) -> Any:
+        # the module inside DDP: evaluation needs no gradient sync, and DDP's forward would
+        # count an iteration and broadcast buffers (done at the end of each step instead)
+        module = (
+            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        )
+        with torch.no_grad(), self._autocast():
+            if batch.kind == "mapping":
+                return module(**batch.as_mapping())
+            return module(*batch.tensors)
 
-        Call on every rank. ``torch.optim.Optimizer.load_state_dict`` alone would replace the
-        state tensors a graph reads; this copies into them instead.
-        """
-        missing = {"model", "optimizer"} - set(state)
-        if missing:
-            raise ConfigError(f"state dict lacks {sorted(missing)}; pass TrainStep.state_dict()'s.")
-        _unwrap(self.model).load_state_dict(state["model"])
-        _load_optimizer_in_place(self.optimizer, state["optimizer"])
-        if self._optimizer_plan is not None:
-            self._optimizer_plan = make_graph_safe(self.optimizer, self.device)
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self._report.steps = int(state.get("steps", self._report.steps))
-        if self._cache is not None and self._cache.guard is not None:
-            self._cache.guard = ReplayGuard(self._params, self.optimizer)
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        modes = self._modes()
+        self._module.eval()
+        try:
+            yield
+        finally:
+            for module, training in zip(self._submodules, modes):
+                module.training = training
 
     # --------------------------------------------------------------- set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -405,7 +866,7 @@ class TrainStep:
 
     def _planned_warmup(self) -> int:
         steps = self.options.warmup or DEFAULT_WARMUP
-        # one more step whose syncs are checked, then capture at a count DDP does not time
+        # one more step whose syncs are recorded, then capture at a count DDP does not time
         while not (self._count_allows_capture(steps) and self._count_allows_capture(steps - 1)):
             steps += 1
         return steps
@@ -413,271 +874,53 @@ class TrainStep:
     def _count_allows_capture(self, sync_forwards: int) -> bool:
         return ddp_count_allows_capture(sync_forwards, self._ddp_sample_rate)
 
+    def _new_graphs(self, plan: GraphSafeOptimizer | None) -> Graphs | None:
+        if (
+            _ENGINE is not None
+            and self._stream is None
+            and self.options.graph != "never"
+            and graph_safety_problem(self.optimizer) is None
+        ):
+            return _ENGINE(_trainable(self.model), self.optimizer)
+        if plan is None or self._stream is None:
+            return None
+        return Graphs(self._stream, _trainable(self.model), plan)
+
     def _make_optimizer_graph_safe(self) -> tuple[GraphSafeOptimizer | None, str | None]:
-        """The graph-safe optimizer plan, or why this step cannot be graphed."""
+        """The graph-safe optimizer plan, or why this step cannot be graphed.
+
+        On CPU the optimizer is left as it is, but one that could not be captured is named in a
+        warning, so a CPU dry run tells what the GPU run would do.
+        """
         if self.options.graph == "never":
             return None, "graph='never'"
+        problem = graph_safety_problem(self.optimizer)
         if self._stream is None:
+            if problem is not None:
+                _warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
+            if _ENGINE is not None and problem is None:
+                return None, None  # the CPU stand-in engine (tests) drives the graphed policy
             return None, f"the model is on {self.device}, not CUDA"
-        try:
-            return make_graph_safe(self.optimizer, self.device), None
-        except CaptureError as exc:
-            return None, str(exc)
-
-    # ------------------------------------------------------------ per step
-    def _first_capture(self, batch: Batch) -> torch.Tensor:
-        """Capture on every rank, then agree; every rank replays, or every rank runs eagerly.
-
-        Ranks that disagreed (one found a host sync, one's capture failed) would otherwise carry
-        on with a graph on some ranks and a failed step on others; and with graph="always" every
-        rank raises, not only the one that failed. Every rank reaches this call at the same step
-        (the warm-up length is the same everywhere). Costs one tiny all-reduce, once per run.
-        """
-        captured: CapturedGraph | None = None
-        started = time.perf_counter()
-        if self._pending_failure is None:
-            result = self._capture_train(batch)
-            if isinstance(result, str):
-                self._pending_failure = result
-            else:
-                captured = result
-        if not self._every_rank_agrees(captured is not None):
-            reason = (
-                self._pending_failure
-                or "another rank could not capture its step (its warning says why)"
-            )
-            self._pending_failure = None
-            self._enter_eager(reason)
-            return self._eager(batch)
-        assert captured is not None
-        self._phase = Phase.GRAPHED
-        self._add_graph(("train", batch.signature), captured, started)
-        loss = self._replay(captured, batch)
-        self._report.time_to_first_replay = time.perf_counter() - self._start
-        return loss
-
-    def _replay_or_capture(self, batch: Batch) -> torch.Tensor | None:
-        """Replay the graph of this signature, capturing it first if the policy says so.
-
-        A later capture needs no agreement: capturing runs nothing, and a graph's all-reduces
-        pair with a peer's eager ones like eager ones do (same buckets, same order).
-        """
-        assert self._cache is not None
-        key = ("train", batch.signature)
-        captured = self._cache.get(key)
-        if captured is not None:
-            return self._replay(captured, batch)
-        if not self._should_capture_new_shape(batch.signature):
-            return None
-        started = time.perf_counter()
-        result = self._capture_train(batch)
-        if isinstance(result, str):
-            self._cache.uncapturable.add(key)
-            self._warn_or_raise(f"the batch of {describe(batch.signature)} runs eagerly: {result}")
-            return None
-        self._add_graph(key, result, started)
-        return self._replay(result, batch)
-
-    def _should_capture_new_shape(self, signature: Signature) -> bool:
-        assert self._cache is not None
-        policy = self.options.on_new_shape
-        if policy == "error":
-            known = self._cache.signatures("train")
-            raise ValueError(
-                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but its "
-                f"graph was captured for {describe(known[0])} (changed: "
-                f"{differences(signature, known[0])}); pad batches to one shape "
-                "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
-            )
-        return (
-            policy == "capture"
-            and ("train", signature) not in self._cache.uncapturable
-            and self._ddp_ready()
-        )
-
-    def _ddp_ready(self) -> bool:
-        if not isinstance(self.model, DistributedDataParallel):
-            return True
-        return self._count_allows_capture(self._sync_forwards)
-
-    def _eager(self, batch: Batch) -> torch.Tensor:
-        self._report.eager_steps += 1
-        warming_up = self._phase is Phase.WARMUP
-        if warming_up:
-            self._report.warmup_steps += 1
-        check_syncs = warming_up and self._report.eager_steps == self._warmup
-        with self._on_side_stream():
-            batch = batch.with_tensors(self._to_device_all(batch))
-            if self._optimizer_plan is not None:
-                self._optimizer_plan.sync_lr()
-            if self._compile_pending:
-                loss = self._first_compiled_step(batch)
-            elif check_syncs:
-                syncs = _record_host_syncs(lambda: self._body(batch))
-                loss = syncs.result
-                if syncs.found:
-                    self._pending_failure = syncs.describe()
-            else:
-                loss = self._body(batch)
-        self._sync_forwards += 1
-        return loss
-
-    def _to_device_all(self, batch: Batch) -> list[torch.Tensor]:
-        return [self._to_device(t) for t in batch.tensors]
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.to(self.device, non_blocking=True)
-        if self.options.channels_last and tensor.dim() == 4:
-            tensor = tensor.contiguous(memory_format=torch.channels_last)
-        return tensor
-
-    def _first_compiled_step(self, batch: Batch) -> torch.Tensor:
-        """The first forward compiles; if Inductor fails, fall back to the plain module.
-
-        Compilation happens before any kernel of the step runs, so the model is unchanged when
-        it fails and the step is simply run again, uncompiled.
-        """
-        from torch._dynamo.exc import TorchDynamoException
-
-        self._compile_pending = False
-        try:
-            return self._body(batch)
-        except TorchDynamoException as exc:
-            self._warn_or_raise(
-                f"torch.compile failed, so the model runs uncompiled: {_first_line(exc)}"
-            )
-            self.model = self._wrap(self._module)
-            self._params = [p for p in self.model.parameters() if p.requires_grad]
-            return self._body(batch)
-
-    def _body(self, batch: Batch) -> torch.Tensor:
-        """zero_grad, k x (forward, loss, backward), clip, optimizer step. Returns the mean loss.
-
-        Runs eagerly or under capture; it must not touch the LR (a fill_ captured here would
-        reset the LR on every replay), so callers sync the LR tensors before it.
-        """
-        # set_to_none=False while graphs are possible: a graph reads and writes the same .grad
-        # tensors on every replay
-        self.optimizer.zero_grad(set_to_none=self._phase is Phase.EAGER)
-        k = self.options.accumulate
-        total: torch.Tensor | None = None
-        for i, micro in enumerate(batch.split(k)):
-            with self._no_sync_unless(i == k - 1), self._autocast():
-                loss = self._loss(micro)
-            _check_scalar_loss(loss)
-            (loss / k).backward()
-            part = loss.detach().float() / k
-            total = part if total is None else total + part
-        if self.options.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self._params, self.options.clip_grad_norm, foreach=True)
-        self.optimizer.step()
-        assert total is not None
-        return total
-
-    def _loss(self, batch: Batch) -> torch.Tensor:
-        if batch.kind == "mapping":
-            inputs = batch.as_mapping()
-            output = self.model(**inputs)
-            return model_loss(output) if self.loss_fn is None else self.loss_fn(output, inputs)
-        if self.loss_fn is None:
-            return model_loss(self.model(*batch.tensors))
-        return self.loss_fn(self.model(*batch.tensors[:-1]), batch.tensors[-1])
-
-    def _replay(self, captured: CapturedGraph, batch: Batch) -> torch.Tensor:
-        assert self._optimizer_plan is not None
-        self._check_guard()
-        self._optimizer_plan.sync_lr()
-        loss: torch.Tensor = captured.replay(batch.tensors)
-        self._report.replays += 1
-        self._watch_replay()
-        return loss
-
-    def _watch_replay(self) -> None:
-        # a graph's collectives are invisible to NCCL's watchdog: this event is what shows a hang
-        wd = watchdog.active()
-        if wd is not None:
-            wd.after_replay(torch.cuda.current_stream(self.device), self._report.steps)
-
-    def _check_guard(self) -> None:
-        if self._cache is not None and self._cache.guard is not None:
-            self._cache.guard.check()
-
-    # -------------------------------------------------------------- capture
-    def _capture_train(self, batch: Batch) -> CapturedGraph | str:
-        """Capture the step for this batch's signature; the graph, or why it failed.
-
-        Capture runs nothing: the caller replays the graph once to train on this batch.
-        """
-        assert self._cache is not None and self._optimizer_plan is not None
-        static = batch.with_tensors([t.clone() for t in self._to_device_all(batch)])
-        self._optimizer_plan.sync_lr()
-        result = self._cache.capture(static.tensors, lambda: self._body(static))
-        self._sync_forwards += 1  # DDP's host code ran once during capture
-        return result
-
-    def _add_graph(
-        self, key: tuple[str, Signature], captured: CapturedGraph, started: float
-    ) -> None:
-        assert self._cache is not None
-        self._cache.add(key, captured)
-        seconds = time.perf_counter() - started
-        kind, signature = key
-        self._report.captures.append(CaptureRecord(signature, self._report.steps, seconds, kind))
-        if self._cache.guard is None:
-            self._cache.guard = ReplayGuard(self._params, self.optimizer)
-        get_logger().info(
-            "TrainStep captured %s %s in %.0f ms", kind, describe(signature), seconds * 1e3
-        )
-
-    def _eval_capture_due(self, key: tuple[str, Signature]) -> bool:
-        if self._cache is None or self.options.graph == "never" or key in self._cache.uncapturable:
-            return False
-        if self._phase is Phase.EAGER and self._report.fallbacks[-1:] == [
-            "close() freed the graphs"
-        ]:
-            return False
-        self._eval_calls[key[1]] += 1
-        return self._eval_calls[key[1]] > _EVAL_WARMUP
-
-    def _capture_eval(self, key: tuple[str, Signature], batch: Batch) -> CapturedGraph | None:
-        assert self._cache is not None
-        started = time.perf_counter()
-        static = batch.with_tensors([t.clone() for t in self._to_device_all(batch)])
-        result = self._cache.capture(static.tensors, lambda: self._forward_eval(static))
-        if isinstance(result, str):
-            self._cache.uncapturable.add(key)
-            self._warn_or_raise(f"evaluation of {describe(batch.signature)} runs eagerly: {result}")
-            return None
-        self._add_graph(key, result, started)
-        return result
-
-    def _forward_eval(self, batch: Batch) -> Any:
-        # the module inside DDP: evaluation needs no gradient sync, and DDP's forward would
-        # count an iteration and broadcast buffers
-        module = (
-            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        )
-        with torch.no_grad(), self._autocast():
-            if batch.kind == "mapping":
-                return module(**batch.as_mapping())
-            return module(*batch.tensors)
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            yield
-        finally:
-            self.model.train(was_training)
+        if problem is None and self.options.amp == "fp16":
+            problem = _fused_for_fp16(self.optimizer)
+        if problem is not None:
+            return None, problem
+        plan = make_graph_safe(self.optimizer, self.device)
+        if self.options.amp == "fp16" and not skips_on_device(self.optimizer):
+            for group in self.optimizer.param_groups:
+                group["fused"], group["foreach"] = True, False
+            plan.changes.append("fused=True (fp16 skips overflowed steps on the device)")
+        return plan, None
 
     # ------------------------------------------------------- agreement, exits
-    def _every_rank_agrees(self, ok: bool) -> bool:
+    def _every_rank_agrees(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
+        """(every rank's ``ok``, any rank's ``dirty``), in one tiny all-reduce."""
         if not isinstance(self.model, DistributedDataParallel):
-            return ok
-        flag = torch.tensor([int(ok)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            return ok, dirty
+        flags = torch.tensor([int(ok), int(not dirty)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        every_ok, none_dirty = flags.tolist()
+        return bool(every_ok), not none_dirty
 
     def _enter_eager(self, reason: str, *, warn: bool = True) -> None:
         """Leave the graphed path for good: raise under graph='always', else warn once."""
@@ -716,6 +959,9 @@ class TrainStep:
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
+# The graph engine for CPU tests (ddpgraph._fake_graphs.fake_graphs sets it); None: real graphs.
+_ENGINE: Callable[[list[nn.Parameter], torch.optim.Optimizer], Graphs] | None = None
+
 
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per device, shared by every TrainStep on it.
@@ -749,24 +995,47 @@ def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
 
 
 def model_loss(output: Any) -> torch.Tensor:
-    """The loss a model computed itself: ``output.loss``, ``output["loss"]`` or a scalar output."""
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
+    """The loss a model computed itself: a scalar output, ``output.loss``, ``output["loss"]``, or
+    the one 0-dim floating tensor of a tuple or list output (nanoGPT's ``(logits, loss)``)."""
+    if _is_scalar(output):
+        return cast(torch.Tensor, output)
     loss = getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     if isinstance(loss, torch.Tensor):
         return loss
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        scalars = [i for i, item in enumerate(output) if _is_scalar(item)]
+        if len(scalars) == 1:
+            return cast(torch.Tensor, output[scalars[0]])
+        if scalars:
+            raise ValueError(
+                f"TrainStep(loss_fn=None) cannot tell the loss in the model's output: "
+                f"{_kind_of(output)} with scalar tensors at positions {scalars}; pass "
+                f"loss_fn=lambda output, target: output[{scalars[-1]}] (or the right index) and "
+                "call step(*inputs, target)."
+            )
     raise ValueError(
-        f"TrainStep(loss_fn=None) needs the model to return its loss (a scalar tensor, .loss or "
-        f"['loss']), but it returned {_kind_of(output)}; pass labels in the batch (HF models "
-        "compute the loss from them) or give a loss_fn."
+        f"TrainStep(loss_fn=None) needs the model to return its loss (a scalar tensor, .loss, "
+        f"['loss'], or one scalar in a tuple), but it returned {_kind_of(output)}; pass labels "
+        "or targets in the batch (HF models and nanoGPT compute the loss from them) or give a "
+        "loss_fn."
     )
+
+
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def _kind_of(output: Any) -> str:
     if isinstance(output, torch.Tensor):
         return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, (tuple, list)):
+        items = ", ".join(
+            f"tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            for x in output
+        )
+        return f"a {type(output).__name__} ({items})"
     return f"a {type(output).__name__}"
 
 
@@ -836,24 +1105,77 @@ def _check_scalar_loss(loss: object) -> None:
         )
 
 
-def _load_optimizer_in_place(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    old_state = {p: dict(s) for p, s in optimizer.state.items()}
-    old_lrs = [group["lr"] for group in optimizer.param_groups]
-    optimizer.load_state_dict(dict(state))
-    for param, new in optimizer.state.items():
-        for key, value in new.items():
-            old = old_state.get(param, {}).get(key)
-            if (
-                isinstance(old, torch.Tensor)
-                and isinstance(value, torch.Tensor)
-                and old.shape == value.shape
-            ):
-                old.copy_(value)
-                new[key] = old
-    for group, old_lr in zip(optimizer.param_groups, old_lrs):
-        if isinstance(old_lr, torch.Tensor):
-            old_lr.fill_(float(group["lr"]))
-            group["lr"] = old_lr
+def _check_model(model: object) -> None:
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            "TrainStep got a DistributedDataParallel model; pass the bare module: TrainStep "
+            "wraps it in DDP itself, on the stream it captures with."
+        )
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"TrainStep's model is {model!r} ({type(model).__name__}), not a torch.nn.Module; "
+            "build the model first, e.g. torchvision.models.resnet50().to(runtime.device)."
+        )
+
+
+def _check_optimizer(optimizer: object, model: nn.Module) -> None:
+    """The optimizer must update this model: none of its parameters is a silent no-op."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"TrainStep's optimizer is {optimizer!r} ({type(optimizer).__name__}), not a "
+            "torch.optim.Optimizer; pass e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)."
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if trainable and len(missing) == len(trainable):
+        raise ConfigError(
+            f"the optimizer holds none of the model's {len(trainable)} trainable parameters "
+            "(built over another model, or before the model was replaced or moved?); build it "
+            "from this model: torch.optim.AdamW(model.parameters(), ...)."
+        )
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        _warn_at_user_line(
+            f"the optimizer does not hold {len(missing)} of the model's trainable parameters "
+            f"({shown}): they get gradients but are never updated; add them to a param group or "
+            "set requires_grad=False."
+        )
+
+
+def _fused_for_fp16(optimizer: torch.optim.Optimizer) -> str | None:
+    if all("fused" in group for group in optimizer.param_groups):
+        return None
+    return (
+        f"amp='fp16' inside a graph needs an optimizer with a fused kernel (Adam, AdamW, SGD) "
+        f"that skips an overflowed step on the device; {type(optimizer).__name__} would need "
+        "found_inf.item(), a host sync. Use one of those, or amp='bf16' (no loss scaling)."
+    )
+
+
+def _trainable(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _detached(output: Any) -> Any:
+    """The model output without its autograd graph (kept as ``step.output`` after backward)."""
+    try:
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: t.detach(), output)
+    except Exception:  # an output type pytree cannot rebuild: keep it as it is
+        return output
+
+
+def _mode_words(mode: tuple[bool, ...]) -> str:
+    """How a graph key's modes read in a report: nothing for train mode."""
+    if all(mode):
+        return ""
+    if not any(mode):
+        return " (eval mode)"
+    return f" ({mode.count(False)} of {len(mode)} modules in eval mode)"
 
 
 @dataclass
@@ -896,15 +1218,4 @@ def _record_host_syncs(fn: Callable[[], Any]) -> _SyncReport:
 def _user_frame() -> str:
     """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
     a library's such as transformers')."""
-    skip = (_TORCH_DIR, _PACKAGE_DIR, os.path.dirname(warnings.__file__) + os.sep + "warnings.py")
-    for frame in reversed(traceback.extract_stack()):
-        if os.path.abspath(frame.filename).startswith(skip):
-            continue
-        return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return "an unknown line"
-
-
-# package directories by path, not by a "/torch/" substring: a virtual environment can be named
-# torch (/opt/torch/.venv/.../transformers would be skipped)
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return library_frame(traceback.extract_stack()) or "an unknown line"

@@ -1,0 +1,141 @@
+"""Mixed precision for TrainStep: the ``amp`` spellings people use, and fp16 loss scaling that
+never leaves the device, so it can live inside the captured step.
+
+torch.amp.GradScaler checks for inf/NaN on the device but, for an optimizer without
+``_step_supports_amp_scaling``, skips the update with ``found_inf.item()`` (a host sync). The
+fused Adam/AdamW/SGD kernels take ``grad_scale`` and ``found_inf`` and skip on the device, and
+``torch._amp_update_scale_`` backs the scale off or grows it there. :class:`LossScaler` does what
+GradScaler does, op for op (so a run is bitwise equal to an eager GradScaler loop with the same
+fused optimizer), with its state in device tensors that a graph reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["AMP_SPELLINGS", "LossScaler", "amp_dtype", "check_scaler_options"]
+
+AMP_SPELLINGS = '"bf16", "bfloat16", torch.bfloat16, "fp16", "float16", torch.float16 or None'
+_BF16 = ("bf16", "bfloat16", torch.bfloat16)
+_FP16 = ("fp16", "float16", torch.float16)
+_SCALER_DEFAULTS: dict[str, float] = {
+    "init_scale": 2.0**16,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+}
+
+
+def amp_dtype(amp: object) -> torch.dtype | None:
+    """The autocast dtype ``amp`` names; a ConfigError listing the spellings otherwise."""
+    if amp is None:
+        return None
+    if any(amp is s or (isinstance(amp, str) and amp == s) for s in _BF16):
+        return torch.bfloat16
+    if any(amp is s or (isinstance(amp, str) and amp == s) for s in _FP16):
+        return torch.float16
+    raise ConfigError(f"amp={amp!r} is not a precision TrainStep knows; use {AMP_SPELLINGS}.")
+
+
+def check_scaler_options(options: Mapping[str, Any] | None) -> dict[str, float]:
+    """GradScaler's options (``init_scale``, ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``) with its defaults filled in."""
+    merged = dict(_SCALER_DEFAULTS)
+    for key, value in (options or {}).items():
+        if key not in _SCALER_DEFAULTS:
+            raise ConfigError(
+                f"grad_scaler={dict(options or {})!r}: unknown option {key!r}; use "
+                f"{', '.join(_SCALER_DEFAULTS)} (torch.amp.GradScaler's)."
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"grad_scaler option {key}={value!r} must be a positive number.")
+        merged[key] = value
+    if merged["growth_factor"] <= 1.0 or not 0 < merged["backoff_factor"] < 1.0:
+        raise ConfigError(
+            f"grad_scaler needs growth_factor > 1 and 0 < backoff_factor < 1, got "
+            f"{merged['growth_factor']} and {merged['backoff_factor']}."
+        )
+    if int(merged["growth_interval"]) != merged["growth_interval"]:
+        raise ConfigError(
+            f"grad_scaler growth_interval={merged['growth_interval']!r} must be an int."
+        )
+    return merged
+
+
+class LossScaler:
+    """Dynamic loss scaling with all of its state on ``device`` (graph-safe).
+
+    Per step: ``scale(loss)`` before backward; ``check(grads, unscale)`` zeroes ``found_inf``
+    and checks the gradients (unscaling them first when clipping follows); ``step(optimizer,
+    unscaled)`` lets the fused optimizer skip on the device; ``update()`` backs the scale off
+    after an overflow, grows it after ``growth_interval`` clean steps, and counts skipped steps.
+    """
+
+    def __init__(self, device: torch.device, options: Mapping[str, float]) -> None:
+        self.options = dict(options)
+        self.scale_tensor = torch.full((), float(options["init_scale"]), device=device)
+        self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.found_inf = torch.zeros((), device=device)
+        self.skipped = torch.zeros((), device=device)  # read by report(): a sync only then
+        self._one = torch.ones((), device=device)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale_tensor
+
+    def check(self, grads: list[torch.Tensor], *, unscale: bool) -> None:
+        self.found_inf.zero_()
+        # GradScaler.unscale_: the reciprocal in double, then float
+        inv = self.scale_tensor.double().reciprocal().float() if unscale else self._one
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
+
+    def step(self, optimizer: torch.optim.Optimizer, *, unscaled: bool) -> None:
+        if not skips_on_device(optimizer):
+            # torch's own CPU path for optimizers without on-device skipping (a sync, as in
+            # GradScaler.step); TrainStep refuses this on CUDA, where it would break capture
+            if not self.found_inf.item():
+                optimizer.step()
+            return
+        opt: Any = optimizer
+        opt.grad_scale = None if unscaled else self.scale_tensor
+        opt.found_inf = self.found_inf
+        try:
+            optimizer.step()
+        finally:
+            del opt.grad_scale
+            del opt.found_inf
+
+    def update(self) -> None:
+        torch._amp_update_scale_(
+            self.scale_tensor,
+            self.growth_tracker,
+            self.found_inf,
+            float(self.options["growth_factor"]),
+            float(self.options["backoff_factor"]),
+            int(self.options["growth_interval"]),
+        )
+        self.skipped.add_(self.found_inf)
+
+    def state_dict(self) -> dict[str, float | int]:
+        """GradScaler's keys (a host read: call between steps)."""
+        return {
+            "scale": float(self.scale_tensor),
+            "_growth_tracker": int(self.growth_tracker),
+            "skipped": int(self.skipped),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """In place: graphs keep reading the same tensors."""
+        self.scale_tensor.fill_(float(state["scale"]))
+        self.growth_tracker.fill_(int(state.get("_growth_tracker", 0)))
+        self.skipped.fill_(int(state.get("skipped", 0)))
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group steps through a fused kernel that takes ``found_inf``."""
+    return all(group.get("fused") for group in optimizer.param_groups)

@@ -1,0 +1,109 @@
+"""fp16 inside the graph: TrainStep against eager DDP + torch.amp.GradScaler with the same fused
+optimizer, 200 steps with overflows (forced by huge batches, and by a too-high initial scale)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddpgraph import TrainStep
+from ddpgraph.optim import make_graph_safe
+
+from .test_step_gpu import make_batches, transformer
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = 200
+
+
+def _transformer_data():
+    batches = make_batches(transformer, STEPS)
+    return [(x * 1e6, y) if i in (40, 41, 120) else (x, y) for i, (x, y) in enumerate(batches)]
+
+
+def _gpt2_data():
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(1000, (8, 64), device="cuda", generator=gen)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000)
+    return transformers.GPT2LMHeadModel(config)
+
+
+SCALER = {"init_scale": 2.0**24, "growth_interval": 25}
+
+
+def _opt(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+
+def _eager_gradscaler(model_fn, data, loss_fn):
+    torch.manual_seed(0)
+    model = model_fn().cuda()
+    opt = _opt(model)
+    make_graph_safe(opt, torch.device("cuda"))  # the same LR tensor and capturable flags
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ddp = DDP(model, device_ids=[0], gradient_as_bucket_view=True)
+    scaler = torch.amp.GradScaler("cuda", **SCALER)
+    torch.manual_seed(1)
+    losses = []
+    for batch in data:
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
+            loss = loss_fn(ddp, batch)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.detach().float())
+    torch.cuda.synchronize()
+    return model, torch.stack(losses), scaler
+
+
+def _graphed(model_fn, data, loss_fn):
+    torch.manual_seed(0)
+    model = model_fn().cuda()
+    step = TrainStep(model, _opt(model), loss_fn, amp="fp16", grad_scaler=SCALER, graph="always")
+    torch.manual_seed(1)
+    losses = [step(*b).clone() if isinstance(b, tuple) else step(b).clone() for b in data]
+    torch.cuda.synchronize()
+    return model, torch.stack(losses), step
+
+
+def _ce(model, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _own(model, batch):
+    return model(**batch).loss
+
+
+@pytest.mark.parametrize("case", ["transformer", "gpt2"])
+def test_fp16_graphed_equals_eager_gradscaler_bitwise_through_overflows(rt, case):
+    if case == "transformer":
+        model_fn, data, eager_loss, loss_fn = (
+            transformer,
+            _transformer_data(),
+            _ce,
+            nn.CrossEntropyLoss(),
+        )
+    else:
+        model_fn, data, eager_loss, loss_fn = _gpt2, _gpt2_data(), _own, None
+    reference, ref_losses, scaler = _eager_gradscaler(model_fn, data, eager_loss)
+    model, losses, step = _graphed(model_fn, data, loss_fn)
+    report = step.report()
+    assert report.mode == "graphed" and report.replays == STEPS - 12, str(report)
+    assert report.skipped_steps >= 3, str(report)  # the test meets overflows
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0, equal_nan=True)
+    assert float(step.loss_scale) == scaler.get_scale()
+    for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values()):
+        assert torch.equal(a, b), name

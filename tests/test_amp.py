@@ -1,0 +1,107 @@
+"""fp16 with dynamic loss scaling, and the ``amp`` spellings, on CPU: TrainStep against torch's
+own autocast + torch.amp.GradScaler loop, overflows included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ddpgraph import TrainStep, load_checkpoint, save_checkpoint
+
+from .step_workers import batches, make_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    ("amp", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+        (torch.float16, torch.float16),
+        (None, None),
+    ],
+)
+def test_amp_takes_the_spellings_people_use(amp, dtype):
+    model = make_model()
+    step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.Linear(1, 1), amp=amp)
+    assert step._amp_dtype is dtype
+    assert (step.loss_scale is not None) == (dtype is torch.float16)
+
+
+def _data(n=30, overflow_at=(9, 19)):
+    """Batches where some overflow fp16 (activations beyond 65504 make the loss inf)."""
+    data = batches(n, 8)
+    return [(x * 1e6, y) if i in overflow_at else (x, y) for i, (x, y) in enumerate(data)]
+
+
+OPTIMIZERS = {
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adamw-foreach": lambda p: torch.optim.AdamW(p, lr=1e-2),
+}
+
+
+def _reference(opt_fn, data, clip, init_scale):
+    """The eager loop torch's docs give: autocast fp16 + GradScaler."""
+    model = make_model()
+    opt = opt_fn(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=5)
+    for x, y in data:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip, foreach=True)
+        scaler.step(opt)
+        scaler.update()
+    return model, scaler
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_fp16_matches_autocast_and_gradscaler_bitwise_through_overflows(opt_name, clip):
+    data = _data()
+    opt_fn = OPTIMIZERS[opt_name]
+    model = make_model()
+    step = TrainStep(
+        model,
+        opt_fn(model.parameters()),
+        nn.CrossEntropyLoss(),
+        amp="fp16",
+        clip_grad_norm=clip,
+        grad_scaler={"init_scale": 2.0**10, "growth_interval": 5},
+    )
+    for x, y in data:
+        step(x, y)
+    reference, scaler = _reference(opt_fn, data, clip, 2.0**10)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert float(step.loss_scale) == scaler.get_scale()
+    assert step.report().skipped_steps == 2
+    assert "skipped (fp16 overflow)=2" in str(step.report())
+
+
+def test_the_loss_scale_is_saved_and_restored_in_place(tmp_path):
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, fused=True),
+        nn.CrossEntropyLoss(),
+        amp="fp16",
+    )
+    for x, y in _data(12, overflow_at=(3, 7)):
+        step(x, y)
+    scale = step.loss_scale
+    saved = step.state_dict()
+    assert saved["scaler"]["scale"] == 2.0**14 and saved["scaler"]["skipped"] == 2
+    save_checkpoint(tmp_path, step=12, train_step=step)
+    scale.fill_(1.0)
+    load_checkpoint(tmp_path, train_step=step)
+    assert step.loss_scale is scale and float(scale) == 2.0**14
