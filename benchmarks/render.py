@@ -24,6 +24,7 @@ CHART = ROOT / "docs" / "img" / "step-time.png"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 LOOPS_START, LOOPS_END = "<!-- loops:start -->", "<!-- loops:end -->"
 OBJECTS_START, OBJECTS_END = "<!-- objects:start -->", "<!-- objects:end -->"
+HF_START, HF_END = "<!-- hf:start -->", "<!-- hf:end -->"
 HEADLINE_MODES = ("eager_ddp", "compile_reduce_overhead", "train_step", "train_step_compiled")
 
 
@@ -209,6 +210,38 @@ def loops_section() -> str:
     return "\n".join(parts).rstrip() or "No loop benchmark results recorded yet."
 
 
+def hf_section() -> str:
+    """Hugging Face models with attention masks: eager DDP against TrainStep, per model."""
+    parts: list[str] = []
+    for path in sorted(RESULTS.glob("hf-*.json")):
+        data = json.loads(path.read_text())
+        runs = data["runs"]
+        parts += [
+            f"{data['batches']}; {data['steps']} steps, {len(runs)} runs, median of runs "
+            f"(`{path.name}`: {data['environment']['gpu']}, torch {data['environment']['torch']}, "
+            f"commit {data['environment']['commit'][:10]}, world size {data['world_size']}):",
+            "",
+            "| model | kind | eager DDP ms/step | TrainStep ms/step (× eager) | graphs |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for model in runs[0]:
+            rows = [run[model] for run in runs]
+            eager = _median([r["eager_ddp"]["median_ms"] for r in rows])
+            graphed = _median([r["train_step"]["median_ms"] for r in rows])
+            ratio = _median([r["ratio_to_eager"]["train_step"] for r in rows])
+            graphs = max(r["train_step"].get("graphs", 0) for r in rows)
+            parts.append(
+                f"| {model} | {rows[0]['kind']} | {eager:.2f} | {graphed:.2f} ({ratio:.2f}×) "
+                f"| {graphs} |"
+            )
+        for model in runs[0]:
+            fallbacks = runs[0][model]["train_step"].get("fallbacks") or []
+            if fallbacks:
+                parts += ["", f"{model} ran eagerly: {fallbacks[0].split(' at ')[0].rstrip('.')}."]
+        parts.append("")
+    return "\n".join(parts).rstrip() or "No Hugging Face results recorded yet."
+
+
 OBJECT_COLUMNS = {
     "ddpgraph": ("all_gather_object", "torch", "ddpgraph_vs_torch"),
     "ddpgraph_gather": ("gather_object", "torch_gather", "gather_vs_torch"),
@@ -254,6 +287,7 @@ def main() -> None:
     readme = _replace(README.read_text(), START, END, headline(results))
     page = _replace(PAGE.read_text(), START, END, section(results))
     page = _replace(page, LOOPS_START, LOOPS_END, loops_section())
+    page = _replace(page, HF_START, HF_END, hf_section())
     page = _replace(page, OBJECTS_START, OBJECTS_END, objects_section())
     README.write_text(readme)
     PAGE.write_text(page)
