@@ -1,24 +1,31 @@
-"""Regenerate the README's performance section (table + chart) from benchmarks/results/*.json.
+"""Regenerate the performance numbers of README.md and docs/benchmarks.md from benchmarks/results.
 
 Usage: python benchmarks/render.py   (the chart needs matplotlib)
 
-Only numbers recorded by `ddpgraph bench` appear; nothing is typed by hand. Each cell is the
-median over the file's repeated runs, and each ratio compares modes measured in one run.
+Only numbers recorded in benchmarks/results/*.json appear; nothing is typed by hand. Each cell is
+the median over the file's repeated runs, and each ratio compares modes measured in one run.
+Only the text between each pair of markers is replaced; a file without its markers is an error,
+so no other text is ever rewritten.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
-from ddpgraph.bench_report import chart, table_rows, to_markdown
+from ddpgraph.bench_report import MODE_TITLES, chart, table_rows, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
-CHART = RESULTS / "readme-chart.png"
+PAGE = ROOT / "docs" / "benchmarks.md"
+CHART = ROOT / "docs" / "img" / "step-time.png"
 START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 LOOPS_START, LOOPS_END = "<!-- loops:start -->", "<!-- loops:end -->"
+OBJECTS_START, OBJECTS_END = "<!-- objects:start -->", "<!-- objects:end -->"
+HF_START, HF_END = "<!-- hf:start -->", "<!-- hf:end -->"
+HEADLINE_MODES = ("eager_ddp", "compile_reduce_overhead", "train_step", "train_step_compiled")
 
 
 def load() -> list[tuple[str, dict]]:
@@ -42,6 +49,8 @@ def section(results: list[tuple[str, dict]]) -> str:
         for name, d in results
     )
     parts = [
+        *scope(results),
+        "",
         "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios).",
         "First fast step: seconds from building the model to steady state (compiling, warming up,",
         "capturing), per mode in column order, from each file's first run (cold compile caches).",
@@ -49,11 +58,76 @@ def section(results: list[tuple[str, dict]]) -> str:
         to_markdown(rows),
         "",
         "Sources:",
+        "",
         sources,
     ]
+    CHART.parent.mkdir(parents=True, exist_ok=True)
     if chart(rows, CHART):
-        parts += ["", f"![step time relative to eager DDP]({CHART.relative_to(ROOT).as_posix()})"]
+        link = CHART.relative_to(PAGE.parent).as_posix()
+        parts += ["", f"![step time relative to eager DDP]({link})"]
     return "\n".join(parts)
+
+
+def scope(results: list[tuple[str, dict]]) -> list[str]:
+    """What the step times contain and what they leave out, from the files' own data."""
+    sizes = sorted({d["world_size"] for _, d in results})
+    gpus = sorted({d["environment"]["gpu"] for _, d in results})
+    items = [
+        "**What a time is:** one whole training step (zero_grad, forward, loss, backward, SGD "
+        "with momentum) on synthetic batches already on the GPU; no data loading.",
+        f"**Where:** world size {', '.join(map(str, sizes))} on one {' / '.join(gpus)}, torch "
+        f"{_versions(results)}.",
+    ]
+    if sizes == [1]:
+        items.append(
+            "**No communication:** at world size 1, DDP's in-place NCCL all-reduce over one rank "
+            "launches no kernel. The numbers show the CPU launch overhead a graph removes, not "
+            "how training scales across GPUs."
+        )
+    return [_bullet(item) for item in items]
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(text, 100, initial_indent="- ", subsequent_indent="  ")
+
+
+def headline(results: list[tuple[str, dict]]) -> str:
+    """The README's short table: the main modes, with what the numbers include."""
+    rows = [row for name, data in results for row in table_rows(name, data)]
+    if not rows:
+        return "No GPU benchmark results recorded yet."
+    modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
+    lines = [
+        "Median step time in ms (× eager DDP; lower is faster):",
+        "",
+        "| config | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
+        "|---|" + "---:|" * len(modes),
+    ]
+    for row in rows:
+        cells = [row["config"]]
+        for mode in modes:
+            m = row["modes"].get(mode)
+            if m is None:
+                cells.append("–")
+            elif mode == "eager_ddp":
+                cells.append(f"{m['median_ms']:.2f}")
+            else:
+                cells.append(f"{m['median_ms']:.2f} ({m['vs_eager']:.2f}×)")
+        lines.append("| " + " | ".join(cells) + " |")
+    sources = ", ".join(f"`{name}`" for name, _ in results)
+    more = _bullet(
+        f"**Sources:** {sources} in `benchmarks/results/`. The full tables, the time to the first "
+        "fast step, and the loader and variable-length measurements: "
+        "[docs/benchmarks.md](docs/benchmarks.md)."
+    )
+    return "\n".join([*lines, "", *scope(results), more])
+
+
+def _versions(results: list[tuple[str, dict]]) -> str:
+    envs = [d["environment"] for _, d in results]
+    return " / ".join(
+        sorted({f"{e['torch']} (CUDA {e['cuda']}, NCCL {e.get('nccl')})" for e in envs})
+    )
 
 
 def rows_in(name: str, rows: list[dict]) -> int:
@@ -96,17 +170,20 @@ def varlen_section(data: dict, name: str) -> list[str]:
 
 def loader_section(data: dict, name: str) -> list[str]:
     models = data["models"]
-    feeds = [f for f in next(iter(models.values()))["ratio_to_staged"]]
+    feeds = list(next(iter(models.values()))["ratio_to_staged"])
     lines = [
         "The main job's loop against the same TrainStep fed pre-staged device batches (rate ratio, "
         f"median of {data['config']['repeats']} repeats; `ddpgraph train` uses batched_prefetch):",
         "",
-        "| model | staged steps/s | " + " | ".join(feeds) + " |",
-        "|---|---|" + "---|" * len(feeds),
+        "| feed | " + " | ".join(models) + " |",
+        "|---|" + "---:|" * len(models),
+        "| staged (steps/s) | "
+        + " | ".join(f"{r['steps_per_s']['staged']:.0f}" for r in models.values())
+        + " |",
     ]
-    for model, result in models.items():
-        ratios = " | ".join(f"{result['ratio_to_staged'][f]:.2f}" for f in feeds)
-        lines.append(f"| {model} | {result['steps_per_s']['staged']:.0f} | {ratios} |")
+    for feed in feeds:
+        ratios = " | ".join(f"{r['ratio_to_staged'][feed]:.2f}" for r in models.values())
+        lines.append(f"| {feed} | {ratios} |")
     return [*lines, "", f"Source: {_source(name, data['environment'])}."]
 
 
@@ -133,18 +210,88 @@ def loops_section() -> str:
     return "\n".join(parts).rstrip() or "No loop benchmark results recorded yet."
 
 
+def hf_section() -> str:
+    """Hugging Face models with attention masks: eager DDP against TrainStep, per model."""
+    parts: list[str] = []
+    for path in sorted(RESULTS.glob("hf-*.json")):
+        data = json.loads(path.read_text())
+        runs = data["runs"]
+        parts += [
+            f"{data['batches']}; {data['steps']} steps, {len(runs)} runs, median of runs "
+            f"(`{path.name}`: {data['environment']['gpu']}, torch {data['environment']['torch']}, "
+            f"commit {data['environment']['commit'][:10]}, world size {data['world_size']}):",
+            "",
+            "| model | kind | eager DDP ms/step | TrainStep ms/step (× eager) | graphs |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for model in runs[0]:
+            rows = [run[model] for run in runs]
+            eager = _median([r["eager_ddp"]["median_ms"] for r in rows])
+            graphed = _median([r["train_step"]["median_ms"] for r in rows])
+            ratio = _median([r["ratio_to_eager"]["train_step"] for r in rows])
+            graphs = max(r["train_step"].get("graphs", 0) for r in rows)
+            parts.append(
+                f"| {model} | {rows[0]['kind']} | {eager:.2f} | {graphed:.2f} ({ratio:.2f}×) "
+                f"| {graphs} |"
+            )
+        for model in runs[0]:
+            fallbacks = runs[0][model]["train_step"].get("fallbacks") or []
+            if fallbacks:
+                parts += ["", f"{model} ran eagerly: {fallbacks[0].split(' at ')[0].rstrip('.')}."]
+        parts.append("")
+    return "\n".join(parts).rstrip() or "No Hugging Face results recorded yet."
+
+
+OBJECT_COLUMNS = {
+    "ddpgraph": ("all_gather_object", "torch", "ddpgraph_vs_torch"),
+    "ddpgraph_gather": ("gather_object", "torch_gather", "gather_vs_torch"),
+    "ddpgraph_broadcast": ("broadcast_object", "torch_broadcast", "broadcast_vs_torch"),
+}
+
+
+def objects_section() -> str:
+    """ddpgraph's object collectives against torch's, per recorded file."""
+    parts: list[str] = []
+    for path in sorted(RESULTS.glob("objects-*.json")):
+        data = json.loads(path.read_text())
+        first = data["results"][0]["median_s"]
+        cols = [c for c in OBJECT_COLUMNS if c in first]
+        parts += [
+            f"{data['backend']}, world size {data['world_size']}, {data['device']}, torch "
+            f"{data['torch']}, commit {data['git_commit'][:10]} (`{path.name}`): median ms per "
+            "call, slowest rank (× torch's own call):",
+            "",
+            "| object | " + " | ".join(OBJECT_COLUMNS[c][0] for c in cols) + " |",
+            "|---|" + "---:|" * len(cols),
+        ]
+        for result in data["results"]:
+            cells = [
+                f"{result['median_s'][c] * 1e3:.3f} ({result[OBJECT_COLUMNS[c][2]]:.2f}×)"
+                for c in cols
+            ]
+            parts.append(f"| {result['case']} | " + " | ".join(cells) + " |")
+        parts.append("")
+    return "\n".join(parts).rstrip() or "No object-collective results recorded yet."
+
+
 def _replace(text: str, start: str, end: str, body: str) -> str:
     if start not in text or end not in text:
-        raise SystemExit(f"README.md lacks the {start} ... {end} markers")
+        raise SystemExit(f"the {start} ... {end} markers are missing; nothing was written")
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
 
 
 def main() -> None:
-    text = _replace(README.read_text(), START, END, section(load()))
-    README.write_text(_replace(text, LOOPS_START, LOOPS_END, loops_section()))
-    print(f"updated {README}")
+    results = load()
+    readme = _replace(README.read_text(), START, END, headline(results))
+    page = _replace(PAGE.read_text(), START, END, section(results))
+    page = _replace(page, LOOPS_START, LOOPS_END, loops_section())
+    page = _replace(page, HF_START, HF_END, hf_section())
+    page = _replace(page, OBJECTS_START, OBJECTS_END, objects_section())
+    README.write_text(readme)
+    PAGE.write_text(page)
+    print(f"updated {README.relative_to(ROOT)} and {PAGE.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
