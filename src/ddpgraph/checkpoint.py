@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._globals import Global, process_global
 from ._log import get_logger
 from .errors import ConfigError
+from .runtime import on_shutdown
 
 __all__ = [
     "CheckpointError",
@@ -307,8 +309,13 @@ def _group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-_async_group: tuple[Any, Any] = (None, None)  # (default group, its gloo group for async saves)
-_pending: Future[Path] | None = None
+# (default group, its gloo group for async saves); dropped at shutdown with the group it serves
+_ASYNC_GROUP: Global[tuple[Any, Any]] = process_global(
+    "checkpoint.async_group", lambda: (None, None), reset_at_shutdown=True
+)
+_PENDING: Global[Future[Path] | None] = process_global(
+    "checkpoint.pending_save", lambda: None, reset_at_shutdown=True
+)
 
 
 def _checkpoint_group() -> Any:
@@ -318,11 +325,10 @@ def _checkpoint_group() -> Any:
     DCP's background thread runs collectives; on the training group they would interleave with
     the training's own and hang or corrupt both. gloo because async_save needs a CPU backend.
     """
-    global _async_group
     world = dist.group.WORLD
-    if _async_group[0] is not world:  # first save, or a new init() since the last
-        _async_group = (world, dist.new_group(backend="gloo"))
-    return _async_group[1]
+    if _ASYNC_GROUP.value[0] is not world:  # first save, or a new init() since the last
+        _ASYNC_GROUP.value = (world, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP.value[1]
 
 
 @contextlib.contextmanager
@@ -334,11 +340,16 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def wait_for_pending_save() -> None:
-    """Block until the last ``async_save`` of this process is committed (re-raising its error)."""
-    global _pending
-    pending, _pending = _pending, None
+    """Block until the last ``async_save`` of this process is committed (re-raising its error).
+
+    :func:`ddpgraph.shutdown` calls it first (an ``on_shutdown`` hook): the save uses a group
+    that shutdown destroys."""
+    pending, _PENDING.value = _PENDING.value, None
     if pending is not None:
         pending.result()
+
+
+on_shutdown(wait_for_pending_save)
 
 
 # ---------------------------------------------------------------- save
@@ -520,7 +531,6 @@ def _save_async(
     rank: int,
     distributed: bool,
 ) -> Future[Path]:
-    global _pending
     import torch.distributed.checkpoint as dcp
 
     group = _checkpoint_group() if distributed else None
@@ -554,7 +564,7 @@ def _save_async(
             done.set_result(root / step_dir_name(step))
 
     upload.add_done_callback(commit)
-    _pending = done
+    _PENDING.value = done
     return done
 
 

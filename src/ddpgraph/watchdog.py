@@ -42,7 +42,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ._globals import Global, process_global
 from ._log import get_logger
+from ._store import store_barrier
 from .errors import CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -83,12 +85,14 @@ _PEER_GONE = re.compile(
 
 _NOTE_PREFIX = "ddpgraph watchdog:"
 
-_active: Watchdog | None = None
+_ACTIVE: Global[Watchdog | None] = process_global(
+    "watchdog.active", lambda: None, reset_at_shutdown=True
+)
 
 
 def active() -> Watchdog | None:
     """The running :class:`Watchdog`, or None (``watchdog=False``, or no :func:`ddpgraph.init`)."""
-    return _active
+    return _ACTIVE.value
 
 
 def default_stall_warning(timeout: timedelta) -> timedelta:
@@ -113,7 +117,7 @@ class watch:  # lower case: used like a function, ``with watch(...)``
         self._dog: Watchdog | None = None
 
     def __enter__(self) -> Watchdog | None:
-        dog = self._dog = _active
+        dog = self._dog = _ACTIVE.value
         if dog is not None:
             dog.enter(self.phase, dog.step if self.step is None else self.step, self.site)
         return dog
@@ -492,8 +496,6 @@ class Watchdog:
 
     def _acknowledge_verdict(self) -> None:
         """Wait (briefly) until the live peers have the verdict too, then go on."""
-        from .runtime import store_barrier
-
         beats = self._read_beats() or {}
         now = time.time()
         live = [r for r, b in beats.items() if b.age(now) <= _STALE_S] + [self.rank]
@@ -630,7 +632,6 @@ def start(
     store_host: str,
 ) -> Watchdog:
     """Start this rank's watchdog on ``store`` (a prefix of its own); stops any earlier one."""
-    global _active
     stop()
     dog = Watchdog(
         store,
@@ -641,13 +642,12 @@ def start(
         store_host=store_host,
     )
     dog.start()
-    _active = dog
+    _ACTIVE.value = dog
     return dog
 
 
 def stop() -> None:
     """Stop the running watchdog, if any: no thread and none of its store keys remain."""
-    global _active
-    dog, _active = _active, None
+    dog, _ACTIVE.value = _ACTIVE.value, None
     if dog is not None:
         dog.stop()
