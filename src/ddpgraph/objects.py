@@ -223,7 +223,7 @@ class _Call:
 def _refuse_while_capturing(name: str) -> None:
     # is_initialized first: without a CUDA context nothing can be capturing, and the check stays
     # free on CPU-only machines.
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # type: ignore[no-untyped-call]
         raise ObjectCollectiveError(
             f"{name} was called while a CUDA stream is capturing a graph; object collectives "
             "synchronize with the host and cannot be captured. Call it outside the captured "
