@@ -206,10 +206,11 @@ def _store_host() -> str:
 def shutdown() -> None:
     """Destroy the process group that :func:`init` made (call on every rank); harmless if none.
 
-    First the :func:`on_shutdown` hooks run (an ``async_save`` still writing is waited for: it
-    uses a group of this process's); then the watchdog stops, leaving no thread and no store key
-    behind, and every process-global value that belongs to one ``init()`` is reset. A hook's
-    error is raised after all of that, so a failed save never leaves a half shut-down process.
+    First the :func:`on_shutdown` hooks run (a ``save_checkpoint_async`` still writing is waited
+    for: it uses a group of this process's); then the watchdog stops, leaving no thread and no
+    store key behind, and every process-global value that belongs to one ``init()`` is reset. A
+    hook's error is raised after all of that, so a failed save never leaves a half shut-down
+    process.
 
     Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
     the caller no longer holds is freed with its process group now, not during interpreter
