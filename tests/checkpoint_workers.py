@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,13 @@ import torch
 from torch import nn
 
 import ddpgraph
-from ddpgraph import ResumableLoader, TrainStep, load_checkpoint, save_checkpoint
+from ddpgraph import (
+    ResumableLoader,
+    TrainStep,
+    load_checkpoint,
+    save_checkpoint,
+    save_checkpoint_async,
+)
 
 
 class Job:
@@ -41,8 +48,13 @@ class Job:
                 if done == steps:
                     return
 
-    def save(self, directory: str | Path, step: int, **kwargs: Any) -> Any:
+    def save(self, directory: str | Path, step: int, **kwargs: Any) -> Path:
         return save_checkpoint(
+            directory, step=step, train_step=self.step, loader=self.batches, **kwargs
+        )
+
+    def save_async(self, directory: str | Path, step: int, **kwargs: Any) -> Future[Path]:
+        return save_checkpoint_async(
             directory, step=step, train_step=self.step, loader=self.batches, **kwargs
         )
 
@@ -94,9 +106,10 @@ def save_at_then_finish(directory: str, at: int, total: int, async_save: bool = 
     """Train to ``at``, save, train to ``total``; the reference an exact resume must match."""
     job = Job()
     job.train(at)
-    saved = job.save(directory, at, async_save=async_save, keep_last=2, note="hello")
+    save = job.save_async if async_save else job.save
+    saved = save(directory, at, keep_last=2, note="hello")
     job.train(total - at)  # an async save writes while training goes on
-    if async_save:
+    if isinstance(saved, Future):
         saved = saved.result()
         ddpgraph.checkpoint.wait_for_pending_save()
     final = job.snapshot()
@@ -193,7 +206,7 @@ def async_save_then_shutdown(path: str) -> str | None:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ddpgraph.save_checkpoint(path, step=1, model=model, optimizer=opt, async_save=True)
+    ddpgraph.save_checkpoint_async(path, step=1, model=model, optimizer=opt)
     ddpgraph.shutdown()
     found = ddpgraph.latest_checkpoint(path)
     return None if found is None else found.name

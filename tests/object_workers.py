@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph as dg
-from ddpgraph import compat, objects
+from ddpgraph import objects, torch_patch
 
 
 def _rank() -> int:
@@ -167,17 +167,17 @@ def subgroup_gather() -> Any:
     )
 
 
-# ---- compat ----
+# ---- torch_patch ----
 
 
-def compat_matches_torch(size: int) -> Any:
+def torch_patch_matches_torch(size: int) -> Any:
     rank, world = _rank(), dist.get_world_size()
     obj = {"rank": rank, "data": list(range(size)), "set": {rank}}
     theirs: list[Any] = [None] * world
     dist.all_gather_object(theirs, obj)
-    compat.patch_torch()
+    torch_patch.patch_torch()
     try:
-        assert dist.all_gather_object is compat.all_gather_object
+        assert dist.all_gather_object is torch_patch.all_gather_object
         ours: list[Any] = [None] * world
         dist.all_gather_object(ours, obj)
         gathered = [None] * world if rank == 0 else None
@@ -185,15 +185,15 @@ def compat_matches_torch(size: int) -> Any:
         blist = [obj, rank] if rank == 1 else [None, None]
         dist.broadcast_object_list(blist, src=1)
     finally:
-        compat.unpatch()
-    assert dist.all_gather_object is not compat.all_gather_object
+        torch_patch.unpatch()
+    assert dist.all_gather_object is not torch_patch.all_gather_object
     return theirs, ours, gathered, blist
 
 
-def compat_bad_length(kind: str, bad: int) -> Any:
+def torch_patch_bad_length(kind: str, bad: int) -> Any:
     rank, world = _rank(), dist.get_world_size()
     n = world + 1 if rank == bad else world
-    compat.patch_torch()
+    torch_patch.patch_torch()
     try:
         if kind == "all_gather":
             return capture(dist.all_gather_object, [None] * n, rank)
@@ -201,16 +201,16 @@ def compat_bad_length(kind: str, bad: int) -> Any:
             return capture(dist.gather_object, rank, [None] * n if rank == 0 else None, dst=0)
         return capture(dist.broadcast_object_list, [rank] * n, src=0)
     finally:
-        compat.unpatch()
+        torch_patch.unpatch()
 
 
-def compat_unpicklable_on(bad: int) -> Any:
-    compat.patch_torch()
+def torch_patch_unpicklable_on(bad: int) -> Any:
+    torch_patch.patch_torch()
     try:
         obj = (lambda: 0) if _rank() == bad else 0
         return capture(dist.all_gather_object, [None] * dist.get_world_size(), obj)
     finally:
-        compat.unpatch()
+        torch_patch.unpatch()
 
 
 def env_rank() -> int:

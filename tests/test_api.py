@@ -32,6 +32,7 @@ PUBLIC = {
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_async",
     "shutdown",
 }
 

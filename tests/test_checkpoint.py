@@ -148,11 +148,29 @@ def test_async_save_returns_a_future_of_the_committed_directory(tmp_path):
     job = Job()
     job.train(2)
     expected = [t.clone() for t in job.tensors()]
-    future = job.save(tmp_path, 2, async_save=True)
+    future = job.save_async(tmp_path, 2)
     job.train(2)  # training goes on while the copy is written
     assert future.result(timeout=60) == tmp_path / "step-00000002"
     job.load(tmp_path)
     assert same(job.tensors(), expected)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP, single process
+def test_save_checkpoint_with_async_save_still_saves_in_the_background_but_warns(tmp_path):
+    job = Job()
+    job.train(1)
+    with pytest.warns(DeprecationWarning, match=r"call ddpgraph.save_checkpoint_async\(\.\.\.\)"):
+        future = job.save(tmp_path, 1, async_save=True)
+    assert future.result(timeout=60) == tmp_path / "step-00000001"
+
+
+def test_what_a_checkpoint_takes_fits_the_stateful_protocol_of_dcp():
+    from torch.distributed.checkpoint.stateful import Stateful as DcpStateful
+
+    job = Job()
+    for part in (job.batches, job.scheduler):
+        assert isinstance(part, DcpStateful)  # DCP's protocol is runtime-checkable; ours mirrors it
+        assert callable(part.state_dict) and callable(part.load_state_dict)
 
 
 def test_another_model_is_refused_naming_the_mismatch(tmp_path):

@@ -36,6 +36,48 @@ def test_context_manager_shuts_down():
     assert not torch.distributed.is_initialized()
 
 
+def test_shutdown_runs_each_hook_once_in_order_and_raises_a_hooks_error_after_finishing():
+    from ddpgraph import _globals, runtime, watchdog
+
+    seen: list[str] = []
+
+    def first() -> None:
+        seen.append("first")
+        raise RuntimeError("the save failed")
+
+    def second() -> None:
+        seen.append(f"second, group alive: {torch.distributed.is_initialized()}")
+
+    hooks = runtime._SHUTDOWN_HOOKS.value
+    before = list(hooks)
+    try:
+        assert runtime.on_shutdown(first) is first
+        runtime.on_shutdown(second)
+        runtime.on_shutdown(first)  # again: still once
+        ddpgraph.init()
+        with pytest.raises(RuntimeError, match="the save failed"):
+            ddpgraph.shutdown()
+    finally:
+        hooks[:] = before
+    assert seen == ["first", "second, group alive: True"]
+    # the hook's error came after the whole shut-down, not instead of it
+    assert ddpgraph.get_runtime() is None and watchdog.active() is None
+    assert not torch.distributed.is_initialized()
+    for name, value in _globals.registered().items():
+        if value.reset_at_shutdown:
+            assert value.value == value.initial(), name
+
+
+def test_process_global_state_is_declared_in_one_registry():
+    from ddpgraph import _globals
+
+    names = set(_globals.registered())
+    assert {"runtime.state", "watchdog.active", "checkpoint.pending_save"} <= names
+    # what must outlive one init(): store keys stay unique, peers keep counting calls
+    kept = {n for n, value in _globals.registered().items() if not value.reset_at_shutdown}
+    assert {"runtime.store_keys", "runtime.shutdown_hooks", "objects.groups"} <= kept
+
+
 def test_repeated_identical_init_is_harmless_and_other_arguments_raise():
     first = ddpgraph.init(timeout=30)
     assert ddpgraph.init(timeout=timedelta(seconds=30)) is first
@@ -345,29 +387,3 @@ def test_every_present_rank_names_the_absent_one_even_when_the_store_host_leaves
             missing, message = results[rank][i]
             assert missing == [absent], (i, rank, message)
             assert f"ranks [{absent}] had not arrived" in message, (i, rank, message)
-
-
-def test_a_barrier_lets_all_ranks_through_or_none():
-    from ddpgraph.runtime import _read_verdict
-
-    everyone = frozenset({0, 1, 2})
-    done = _read_verdict(b"0 a\n2 c\n1 b\n! 0\n", everyone)
-    assert done.done and done.arrived == (0, 2, 1) and done.payloads[2] == "c"
-    late = _read_verdict(b"0 a\n1 b\n! 0\n2 c\n", everyone)
-    assert not late.done and late.gave_up == 0 and late.arrived == (0, 1)
-    pending = _read_verdict(b"1 b\n", everyone)
-    assert not pending.done and pending.gave_up is None and pending.arrived == (1,)
-
-
-def test_a_rank_that_cannot_reach_the_store_to_arrive_gets_a_collective_timeout():
-    from ddpgraph.runtime import store_barrier
-
-    class GoneStore:
-        def append(self, key, value):
-            raise RuntimeError("Connection reset by peer")
-
-    with pytest.raises(CollectiveTimeout, match=r"test barrier: this rank \(1\) could not reach"):
-        store_barrier(
-            GoneStore(), "k", rank=1, world_size=2, timeout=timedelta(seconds=1),
-            what="test barrier", fix="",
-        )  # fmt: skip

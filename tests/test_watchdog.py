@@ -391,7 +391,7 @@ def test_a_replay_not_complete_after_the_timeout_is_a_hang_naming_its_step(caplo
     dog, exits = _dog()
     event = _NeverDone()
     try:
-        dog._replay = (event, 41, time.monotonic())  # what after_replay records  # type: ignore[assignment]
+        dog._replay = watchdog._Replay(event, 41, time.monotonic())  # what after_replay records
         time.sleep(2.0)
         with pytest.raises(CollectiveTimeout, match=r"the CUDA graph replay of step 41"):
             dog.enter("replay", 42)

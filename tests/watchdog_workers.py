@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ddpgraph._store import store_barrier
 from ddpgraph.errors import CollectiveTimeout
-from ddpgraph.runtime import store_barrier
 
 
 def _rank() -> int:

@@ -11,6 +11,7 @@ from .checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    save_checkpoint_async,
 )
 from .data import pad_batch, prefetch
 from .errors import (
@@ -54,5 +55,6 @@ __all__ = [
     "pad_batch",
     "prefetch",
     "save_checkpoint",
+    "save_checkpoint_async",
     "shutdown",
 ]

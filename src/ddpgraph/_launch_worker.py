@@ -11,7 +11,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from . import compat
+from . import torch_patch
 from .launch import RUN_MODULE, RUN_PATH
 from .runtime import bind_device, read_launch_env
 
@@ -42,7 +42,7 @@ def install_guards() -> str:
     """
     env = read_launch_env()
     device = bind_device(env.local_rank)
-    compat.patch_torch()
+    torch_patch.patch_torch()
     bound = "device bound" if device.type == "cuda" else "no GPU, nothing to bind"
     summary = (
         f"{PREFIX} rank {env.rank}/{env.world_size} on {device}: {bound}, "

@@ -30,26 +30,36 @@ import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeAlias
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._globals import Global, process_global
 from ._log import get_logger
 from .errors import ConfigError
 from .optim import restore_identities, tensor_slots
+from .runtime import on_shutdown
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from .step import TrainStep
 
 __all__ = [
+    "JSON",
     "CheckpointError",
     "ResumableLoader",
+    "Stateful",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "save_checkpoint_async",
 ]
 
 MANIFEST = "ddpgraph.json"
@@ -62,6 +72,20 @@ _RESERVED_EXTRA = frozenset({"path"})  # keys load_checkpoint's result already u
 
 class CheckpointError(ConfigError):
     """A checkpoint cannot be saved or does not fit the job loading it (world size, model)."""
+
+
+class Stateful(Protocol):
+    """What a checkpoint takes besides the model and optimizer: an LR scheduler, a data position
+    (:class:`ResumableLoader`), anything with these two methods. The shape of DCP's own
+    ``torch.distributed.checkpoint.stateful.Stateful``, so either one fits the other."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+# What save_checkpoint's extra values may be (checked at run time: json.dumps must take them).
+JSON: TypeAlias = bool | int | float | str | Sequence["JSON"] | Mapping[str, "JSON"] | None
 
 
 # ---------------------------------------------------------------- the data position
@@ -151,18 +175,18 @@ class _Parts:
 
     model: nn.Module | None
     optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    train_step: Any
-    loader: Any
+    scheduler: Stateful | None
+    train_step: TrainStep | None
+    loader: Stateful | None
 
 
 def _resolve(
     caller: str,
-    train_step: Any,
+    train_step: TrainStep | None,
     model: nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
-    scheduler: Any,
-    loader: Any,
+    scheduler: Stateful | None,
+    loader: Stateful | None,
 ) -> _Parts:
     if train_step is not None:
         if model is not None or optimizer is not None:
@@ -286,7 +310,7 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call, unused-ignore]
         state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return state
 
@@ -308,8 +332,13 @@ def _group() -> tuple[int, int, bool]:
     return 0, 1, False
 
 
-_async_group: tuple[Any, Any] = (None, None)  # (default group, its gloo group for async saves)
-_pending: Future[Path] | None = None
+# (default group, its gloo group for async saves); dropped at shutdown with the group it serves
+_ASYNC_GROUP: Global[tuple[Any, Any]] = process_global(
+    "checkpoint.async_group", lambda: (None, None), reset_at_shutdown=True
+)
+_PENDING: Global[Future[Path] | None] = process_global(
+    "checkpoint.pending_save", lambda: None, reset_at_shutdown=True
+)
 
 
 def _checkpoint_group() -> Any:
@@ -319,11 +348,10 @@ def _checkpoint_group() -> Any:
     DCP's background thread runs collectives; on the training group they would interleave with
     the training's own and hang or corrupt both. gloo because async_save needs a CPU backend.
     """
-    global _async_group
     world = dist.group.WORLD
-    if _async_group[0] is not world:  # first save, or a new init() since the last
-        _async_group = (world, dist.new_group(backend="gloo"))
-    return _async_group[1]
+    if _ASYNC_GROUP.value[0] is not world:  # first save, or a new init() since the last
+        _ASYNC_GROUP.value = (world, dist.new_group(backend="gloo"))
+    return _ASYNC_GROUP.value[1]
 
 
 @contextlib.contextmanager
@@ -335,77 +363,34 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def wait_for_pending_save() -> None:
-    """Block until the last ``async_save`` of this process is committed (re-raising its error)."""
-    global _pending
-    pending, _pending = _pending, None
+    """Block until the last async save of this process is committed (re-raising its error).
+
+    :func:`ddpgraph.shutdown` calls it first (an ``on_shutdown`` hook): the save uses a group
+    that shutdown destroys."""
+    pending, _PENDING.value = _PENDING.value, None
     if pending is not None:
         pending.result()
+
+
+on_shutdown(wait_for_pending_save)
 
 
 # ---------------------------------------------------------------- save
 
 
-@overload
 def save_checkpoint(
     directory: str | os.PathLike[str],
     *,
     step: int,
-    train_step: Any = ...,
-    model: nn.Module | None = ...,
-    optimizer: torch.optim.Optimizer | None = ...,
-    scheduler: Any = ...,
-    loader: Any = ...,
-    keep_last: int | None = ...,
-    async_save: Literal[False] = ...,
-    **extra: Any,
-) -> Path: ...
-
-
-@overload
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    *,
-    step: int,
-    train_step: Any = ...,
-    model: nn.Module | None = ...,
-    optimizer: torch.optim.Optimizer | None = ...,
-    scheduler: Any = ...,
-    loader: Any = ...,
-    keep_last: int | None = ...,
-    async_save: Literal[True],
-    **extra: Any,
-) -> Future[Path]: ...
-
-
-@overload
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    *,
-    step: int,
-    train_step: Any = ...,
-    model: nn.Module | None = ...,
-    optimizer: torch.optim.Optimizer | None = ...,
-    scheduler: Any = ...,
-    loader: Any = ...,
-    keep_last: int | None = ...,
-    async_save: bool = ...,
-    **extra: Any,
-) -> Path | Future[Path]: ...
-
-
-def save_checkpoint(
-    directory: str | os.PathLike[str],
-    *,
-    step: int,
-    train_step: Any = None,
+    train_step: TrainStep | None = None,
     model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    loader: Any = None,
+    scheduler: Stateful | None = None,
+    loader: Stateful | None = None,
     keep_last: int | None = None,
-    async_save: bool = False,
-    **extra: Any,
-) -> Path | Future[Path]:
+    async_save: Literal[False] = False,  # deprecated: a type checker flags True, it still runs
+    **extra: JSON,
+) -> Path:
     """Save a checkpoint of ``step`` as ``directory/step-NNNNNNNN``. Call on every rank, together.
 
     Pass ``train_step=`` (its model, optimizer, scheduler and counters) or ``model=`` with
@@ -414,66 +399,138 @@ def save_checkpoint(
     :func:`load_checkpoint` (e.g. ``best_loss=0.3``). ``keep_last=k`` deletes all but the newest
     ``k`` checkpoints after this one is committed.
 
-    Returns the committed directory. With ``async_save=True`` the state is copied to host memory
-    before returning and written by a background thread (``torch.distributed.checkpoint
-    .async_save``); a :class:`~concurrent.futures.Future` of the directory is returned, and the
-    checkpoint is committed once rank 0's future is done. The next save or load waits for it.
+    Returns the committed directory. To write in the background, call
+    :func:`save_checkpoint_async`. ``async_save=True`` still does that (returning its
+    :class:`~concurrent.futures.Future`), with a ``DeprecationWarning``: it is the one argument
+    that changed what this function returns.
     """
-    _check_save_options(step, keep_last, async_save, extra)
-    parts = _resolve("save_checkpoint", train_step, model, optimizer, scheduler, loader)
-    wait_for_pending_save()
-    root = Path(directory)
-    rank, world_size, distributed = _group()
-    partial = root / _agreed_partial_name(step, distributed)
-    state = _live_state(parts, rank)
-    manifest = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "world_size": world_size,
-        "torch": torch.__version__,
-        "saved_at": time.time(),
-        "extra": extra,
-    }
-    if async_save:
-        return _save_async(state, root, partial, step, manifest, keep_last, rank, distributed)
-    _write(state, partial, distributed)
-    error = _commit_on_rank0(rank, root, partial, step, manifest, keep_last)
-    if distributed:
+    if async_save is not False:
+        if async_save is not True:
+            raise ConfigError(f"save_checkpoint: async_save={async_save!r} must be True or False.")
+        warnings.warn(
+            "save_checkpoint(..., async_save=True) is deprecated; call "
+            "ddpgraph.save_checkpoint_async(...) with the same arguments, which returns the "
+            "Future of the committed directory.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return save_checkpoint_async(
+            directory, step=step, train_step=train_step, model=model, optimizer=optimizer,
+            scheduler=scheduler, loader=loader, keep_last=keep_last, **extra,
+        )  # fmt: skip
+    save = _prepare(
+        "save_checkpoint", directory, step, train_step, model, optimizer, scheduler, loader,
+        keep_last, extra,
+    )  # fmt: skip
+    _write(save.state, save.partial, save.distributed)
+    error = _commit_on_rank0(save)
+    if save.distributed:
         # every rank learns whether rank 0's commit worked, so all raise alike or none does
         from .objects import broadcast_object
 
         error = broadcast_object(error, src=0)
     if error is not None:
         raise CheckpointError(error)
-    final = root / step_dir_name(step)
-    get_logger().info("saved checkpoint of step %d in %s", step, final)
-    return final
+    get_logger().info("saved checkpoint of step %d in %s", step, save.final)
+    return save.final
+
+
+def save_checkpoint_async(
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    train_step: TrainStep | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Stateful | None = None,
+    loader: Stateful | None = None,
+    keep_last: int | None = None,
+    **extra: JSON,
+) -> Future[Path]:
+    """:func:`save_checkpoint`, written in the background. Call on every rank, together.
+
+    The state is copied to host memory before this returns, so training may go on and change it;
+    a background thread writes it (``torch.distributed.checkpoint.async_save``, over a gloo group
+    of its own, so its collectives never meet the training's). Returns a
+    :class:`~concurrent.futures.Future` of the committed directory; the checkpoint is committed
+    once rank 0's future is done. The next save or load, and :func:`ddpgraph.shutdown`, wait for
+    it (and raise its error, if it failed).
+    """
+    save = _prepare(
+        "save_checkpoint_async", directory, step, train_step, model, optimizer, scheduler,
+        loader, keep_last, extra,
+    )  # fmt: skip
+    return _save_async(save)
+
+
+@dataclass(frozen=True)
+class _Save:
+    """One save, prepared: what goes in, where it is written, and what commits it."""
+
+    state: dict[str, Any]
+    root: Path
+    partial: Path  # written first, renamed to ``final`` by rank 0 once complete
+    step: int
+    manifest: dict[str, Any]
+    keep_last: int | None
+    rank: int
+    distributed: bool
+
+    @property
+    def final(self) -> Path:
+        return self.root / step_dir_name(self.step)
+
+
+def _prepare(
+    caller: str,
+    directory: str | os.PathLike[str],
+    step: int,
+    train_step: TrainStep | None,
+    model: nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Stateful | None,
+    loader: Stateful | None,
+    keep_last: int | None,
+    extra: Mapping[str, JSON],
+) -> _Save:
+    """Check the arguments, wait for the last async save, agree on the in-progress directory."""
+    _check_save_options(caller, step, keep_last, extra)
+    parts = _resolve(caller, train_step, model, optimizer, scheduler, loader)
+    wait_for_pending_save()
+    root = Path(directory)
+    rank, world_size, distributed = _group()
+    partial = root / _agreed_partial_name(step, distributed)
+    manifest = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "torch": torch.__version__,
+        "saved_at": time.time(),
+        "extra": dict(extra),
+    }
+    state = _live_state(parts, rank)
+    return _Save(state, root, partial, step, manifest, keep_last, rank, distributed)
 
 
 def _check_save_options(
-    step: object, keep_last: object, async_save: object, extra: Mapping[str, Any]
+    caller: str, step: object, keep_last: object, extra: Mapping[str, object]
 ) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"save_checkpoint: step={step!r} must be an integer >= 0.")
+        raise ConfigError(f"{caller}: step={step!r} must be an integer >= 0.")
     if keep_last is not None and (
         not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1
     ):
-        raise ConfigError(
-            f"save_checkpoint: keep_last={keep_last!r} must be an integer >= 1 or None."
-        )
-    if not isinstance(async_save, bool):
-        raise ConfigError(f"save_checkpoint: async_save={async_save!r} must be True or False.")
+        raise ConfigError(f"{caller}: keep_last={keep_last!r} must be an integer >= 1 or None.")
     for key, value in extra.items():
         if key in _RESERVED_EXTRA:
             raise ConfigError(
-                f"save_checkpoint: extra key {key!r} is reserved (load_checkpoint returns it); "
-                "rename it."
+                f"{caller}: extra key {key!r} is reserved (load_checkpoint returns it); rename it."
             )
         try:
             json.dumps(value, allow_nan=True)
         except (TypeError, ValueError) as exc:
             raise ConfigError(
-                f"save_checkpoint: extra value {key}={type(value).__name__} is not JSON ({exc}); "
+                f"{caller}: extra value {key}={type(value).__name__} is not JSON ({exc}); "
                 "pass numbers, strings, lists or dicts (tensors belong in the model or optimizer)."
             ) from None
 
@@ -495,8 +552,8 @@ def _agreed_partial_name(step: int, distributed: bool) -> str:
     return str(proposals[0][1])
 
 
-def _planner() -> Any:
-    from torch.distributed.checkpoint import DefaultSavePlanner
+def _planner() -> DefaultSavePlanner:
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     # DCP writes a key every rank holds once, from a rank of its choosing. DDP replicas are not
     # all equal: BatchNorm's running stats differ per rank until the next forward broadcasts
@@ -505,39 +562,29 @@ def _planner() -> Any:
 
 
 def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+        save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
 
 
-def _save_async(
-    state: dict[str, Any],
-    root: Path,
-    partial: Path,
-    step: int,
-    manifest: dict[str, Any],
-    keep_last: int | None,
-    rank: int,
-    distributed: bool,
-) -> Future[Path]:
-    global _pending
-    import torch.distributed.checkpoint as dcp
+def _save_async(save: _Save) -> Future[Path]:
+    from torch.distributed.checkpoint.state_dict_saver import async_save
 
-    group = _checkpoint_group() if distributed else None
-    if not distributed:
+    group = _checkpoint_group() if save.distributed else None
+    if not save.distributed:
         # the writer thread warns again after _quiet_single_process has ended; world size 1
         # without a process group is a supported case, not a mistake
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled", module="torch.distributed"
         )
     with _quiet_single_process():
-        response: Any = dcp.async_save(
-            state,
-            checkpoint_id=partial,
+        response: Any = async_save(
+            save.state,
+            checkpoint_id=save.partial,
             planner=_planner(),
             process_group=group,
-            no_dist=not distributed,
+            no_dist=not save.distributed,
         )
     upload: Future[Any] = getattr(response, "upload_completion", response)
     done: Future[Path] = Future()
@@ -546,37 +593,30 @@ def _save_async(
         # runs on DCP's writer thread once this rank's part (and, on rank 0, the metadata) is on disk
         try:
             finished.result()
-            error = _commit_on_rank0(rank, root, partial, step, manifest, keep_last)
+            error = _commit_on_rank0(save)
             if error is not None:
                 raise CheckpointError(error)
         except BaseException as exc:
             done.set_exception(exc)
         else:
-            done.set_result(root / step_dir_name(step))
+            done.set_result(save.final)
 
     upload.add_done_callback(commit)
-    _pending = done
+    _PENDING.value = done
     return done
 
 
-def _commit_on_rank0(
-    rank: int,
-    root: Path,
-    partial: Path,
-    step: int,
-    manifest: dict[str, Any],
-    keep_last: int | None,
-) -> str | None:
+def _commit_on_rank0(save: _Save) -> str | None:
     """Rank 0: manifest, rename to ``step-N``, ``latest``, pruning. Returns an error text or None.
 
     DCP's save returns on rank 0 only after every rank's data and the metadata are written, so
     the rename is the single moment the checkpoint becomes visible.
     """
-    if rank != 0:
+    if save.rank != 0:
         return None
-    final = root / step_dir_name(step)
+    root, partial, final = save.root, save.partial, save.final
     try:
-        _write_synced(partial / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        _write_synced(partial / MANIFEST, json.dumps(save.manifest, indent=2) + "\n")
         if final.exists():  # a resumed run saving a step again: replace the older copy
             stale = root / f".{final.name}.replaced-{uuid.uuid4().hex[:8]}"
             os.rename(final, stale)
@@ -586,10 +626,10 @@ def _commit_on_rank0(
             os.rename(partial, final)
         _fsync_dir(root)
         _write_synced(root / LATEST, final.name + "\n", atomic=True)
-        _prune(root, keep_last)
+        _prune(root, save.keep_last)
     except OSError as exc:
         return (
-            f"could not commit the checkpoint of step {step} in {root}: {exc}; check that the "
+            f"could not commit the checkpoint of step {save.step} in {root}: {exc}; check that the "
             "directory is writable and has space."
         )
     return None

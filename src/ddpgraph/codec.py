@@ -112,7 +112,10 @@ class _Encoder:
     def pack(self, obj: Any) -> bytes:
         # strict_types: a tuple, an int subclass or an OrderedDict reaches default() instead of
         # being silently turned into a list / int / dict.
-        return msgpack.packb(obj, default=self.default, strict_types=True, use_bin_type=True)
+        packed: bytes = msgpack.packb(
+            obj, default=self.default, strict_types=True, use_bin_type=True
+        )
+        return packed
 
     def default(self, obj: Any) -> msgpack.ExtType:
         """msgpack calls this for every value it has no native (strict) type for."""

@@ -26,6 +26,7 @@ __all__ = [
     "ObjectCollectiveError",
     "explain",
     "explain_exception",
+    "first_line",
     "with_explanation",
 ]
 
@@ -160,6 +161,16 @@ def with_explanation(exc: BaseException) -> str:
     if found is None:
         return message
     return f"{message}\n\nddpgraph explains: {found.render()}"
+
+
+def first_line(exc: BaseException, *, with_type: bool = False) -> str:
+    """The first line of ``str(exc)`` (its type's name when it has no text), to quote a cause
+    inside one of ddpgraph's own messages. ``with_type``: ``"TypeName: first line"``."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else ""
+    if with_type:
+        return f"{type(exc).__name__}: {line}"
+    return line or type(exc).__name__
 
 
 # Per-line decorations that split a message: rich's traceback frame, torchrun's rank prefix.

@@ -28,7 +28,6 @@ from __future__ import annotations
 import numbers
 import os
 import struct
-import sys
 import weakref
 import zlib
 from collections.abc import Callable, Iterator
@@ -41,7 +40,10 @@ import torch
 import torch.distributed as dist
 
 from . import watchdog
+from ._frames import frame_outside, in_modules
+from ._globals import Global, process_global
 from ._log import get_logger
+from ._store import forget_barrier, store_barrier
 from .codec import CODECS, DecodeError, decode, encode_parts
 from .errors import (
     CollectiveTimeout,
@@ -50,14 +52,7 @@ from .errors import (
     ObjectCollectiveError,
     with_explanation,
 )
-from .runtime import (
-    as_timedelta,
-    check_unique_devices,
-    forget_barrier,
-    get_runtime,
-    group_device,
-    store_barrier,
-)
+from .runtime import as_timedelta, check_unique_devices, get_runtime, group_device
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -79,7 +74,7 @@ _OK, _ENCODE_FAILED, _TOO_LARGE, _BAD_ARGUMENT = 0, 1, 2, 3
 _OPS = {1: "all_gather_object", 2: "gather_object", 3: "broadcast_object"}
 _OP_IDS = {name: op for op, name in _OPS.items()}
 _CODEC_NAMES = {i: name for name, i in CODECS.items()}
-_OUR_MODULES = frozenset({__name__, "ddpgraph.compat"})
+_in_our_modules = in_modules({__name__, "ddpgraph.torch_patch"})
 _DEFAULT_CHECK_TIMEOUT = timedelta(minutes=10)
 # A rank that arrives after half the timeout is named in a warning, before it becomes an error.
 _STRAGGLER_FRACTION = 0.5
@@ -176,7 +171,7 @@ class _Call:
     timeout: timedelta | None
     max_bytes: int
     site: tuple[int, str]  # stable hash and "file.py:line" of the caller
-    arg: int = 0  # a value every rank must agree on (the compat layer sends list lengths)
+    arg: int = 0  # a value every rank must agree on (torch_patch sends list lengths)
     argument_error: str | None = None  # a bad argument found locally, reported by every rank
 
     @classmethod
@@ -228,7 +223,7 @@ class _Call:
 def _refuse_while_capturing(name: str) -> None:
     # is_initialized first: without a CUDA context nothing can be capturing, and the check stays
     # free on CPU-only machines.
-    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # type: ignore[no-untyped-call]
         raise ObjectCollectiveError(
             f"{name} was called while a CUDA stream is capturing a graph; object collectives "
             "synchronize with the host and cannot be captured. Call it outside the captured "
@@ -288,19 +283,19 @@ def _group_rank(name: str, pg: dist.ProcessGroup | None, root: object) -> tuple[
 
 def _call_site() -> tuple[int, str]:
     """The first caller outside ddpgraph, as a hash stable across hosts (no absolute paths)."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_globals.get("__name__") in _OUR_MODULES:
-        frame = frame.f_back
+    frame, _ = frame_outside(_in_our_modules)
     key = (frame.f_code, frame.f_lineno)
-    site = _sites.get(key)
+    site = _SITES.value.get(key)
     if site is None:  # a dict hit is several times cheaper than hashing the text every call
         code = frame.f_code
         text = f"{os.path.basename(code.co_filename)}:{frame.f_lineno}"
-        site = _sites[key] = (zlib.crc32(f"{text}:{code.co_name}".encode()), text)
+        site = _SITES.value[key] = (zlib.crc32(f"{text}:{code.co_name}".encode()), text)
     return site
 
 
-_sites: dict[tuple[object, int], tuple[int, str]] = {}
+_SITES: Global[dict[tuple[object, int], tuple[int, str]]] = process_global(
+    "objects.call_sites", dict, reset_at_shutdown=False
+)
 
 
 # ---- the exchange ----
@@ -328,7 +323,11 @@ class _GroupState:
     slots: _Slots | None = None
 
 
-_groups: weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState] = weakref.WeakKeyDictionary()
+# Kept as long as its group: the peers count the same calls, and a call number used again would
+# meet the old call's barrier log in the store.
+_GROUPS: Global[weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupState]] = process_global(
+    "objects.groups", weakref.WeakKeyDictionary, reset_at_shutdown=False
+)
 
 
 def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
@@ -476,18 +475,19 @@ def _bound_device(group: dist.ProcessGroup) -> torch.device:
 
 
 def _group_state(group: dist.ProcessGroup) -> _GroupState:
-    state = _groups.get(group)
+    groups = _GROUPS.value
+    state = groups.get(group)
     if state is None:
         # The default store of a group ddpgraph.init made is prefixed per init, so these keys
         # never meet those of an earlier group of the same name in torchrun's long-lived store.
         name = dist.distributed_c10d._get_process_group_name(group)
-        state = _groups[group] = _GroupState(f"ddpgraph/objects/{name}")
+        state = groups[group] = _GroupState(f"ddpgraph/objects/{name}")
     return state
 
 
 def _await_arrivals(call: _Call, state: _GroupState) -> None:
     """Wait until every rank has entered call number ``state.seq``, or raise naming the missing
-    ones (:func:`ddpgraph.runtime.store_barrier`).
+    ones (:func:`ddpgraph._store.store_barrier`).
 
     Only after all have arrived does any rank start the collective, so a timeout never leaves a
     peer blocked inside it; the barrier's verdict is the same on every rank.

@@ -12,23 +12,40 @@ import gc
 import numbers
 import os
 import socket
-import sys
-import time
 import warnings
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
+from torch.distributed.rendezvous import rendezvous
 
+from . import _globals
 from . import watchdog as _watchdog
+from ._globals import Global, process_global
 from ._log import configure_logging
-from .errors import CollectiveTimeout, ConfigError, DeviceConflictError, DistributedStateError
+from ._store import store_barrier
+from .errors import (
+    CollectiveTimeout,
+    ConfigError,
+    DeviceConflictError,
+    DistributedStateError,
+    first_line,
+)
 
-__all__ = ["Runtime", "check_unique_devices", "get_runtime", "group_device", "init", "shutdown"]
+__all__ = [
+    "Runtime",
+    "check_unique_devices",
+    "get_runtime",
+    "group_device",
+    "init",
+    "on_shutdown",
+    "shutdown",
+]
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BACKENDS = ("nccl", "gloo")
@@ -84,13 +101,20 @@ class _State:
     owns_group: bool
 
 
-_state: _State | None = None
-_init_count = 0
+_STATE: Global[_State | None] = process_global(
+    "runtime.state", lambda: None, reset_at_shutdown=True
+)
+# store keys stay unique across inits of one process: torchrun's store outlives process groups
+_STORE_KEYS: Global[int] = process_global("runtime.store_keys", int, reset_at_shutdown=False)
+_SHUTDOWN_HOOKS: Global[list[Callable[[], object]]] = process_global(
+    "runtime.shutdown_hooks", list, reset_at_shutdown=False
+)
 
 
 def get_runtime() -> Runtime | None:
     """The :class:`Runtime` of the current :func:`init`, or None before it / after :func:`shutdown`."""
-    return _state.runtime if _state is not None else None
+    state = _STATE.value
+    return state.runtime if state is not None else None
 
 
 def init(
@@ -119,28 +143,28 @@ def init(
     where each rank is, instead of hanging; after ``stall_warning`` (default a quarter of
     ``timeout``, at most 60 s) one warning names the slow ranks.
     """
-    global _state
     limit = as_timedelta(timeout, caller="ddpgraph.init")
     stall = _stall_warning(stall_warning, limit, watchdog)
     requested = (backend, limit, stall, watchdog)
-    if _state is not None:
-        if _state.requested != requested:
+    current = _STATE.value
+    if current is not None:
+        if current.requested != requested:
             raise DistributedStateError(
-                f"ddpgraph.init() was already called with {_describe_request(_state.requested)}; "
+                f"ddpgraph.init() was already called with {_describe_request(current.requested)}; "
                 f"this call asks {_describe_request(requested)}. Call ddpgraph.shutdown() "
                 "first, or pass the same arguments."
             )
-        return _state.runtime
+        return current.runtime
     if dist.is_available() and dist.is_initialized():
         runtime, store = _adopt_group(limit)
-        _state = _State(runtime, requested, owns_group=False)
+        _STATE.value = _State(runtime, requested, owns_group=False)
     else:
         runtime, store = _new_group(backend, limit)
-        _state = _State(runtime, requested, owns_group=True)
+        _STATE.value = _State(runtime, requested, owns_group=True)
     configure_logging(runtime.rank)
     if watchdog:
         _watchdog.start(
-            dist.PrefixStore(f"{_next_store_key('watchdog')}", store),
+            PrefixStore(f"{_next_store_key('watchdog')}", store),
             rank=runtime.rank,
             world_size=runtime.world_size,
             timeout=limit,
@@ -182,8 +206,11 @@ def _store_host() -> str:
 def shutdown() -> None:
     """Destroy the process group that :func:`init` made (call on every rank); harmless if none.
 
-    An ``async_save`` still writing is waited for first (it uses a group of this process's);
-    then the watchdog stops, leaving no thread and no store key behind.
+    First the :func:`on_shutdown` hooks run (a ``save_checkpoint_async`` still writing is waited
+    for: it uses a group of this process's); then the watchdog stops, leaving no thread and no
+    store key behind, and every process-global value that belongs to one ``init()`` is reset. A
+    hook's error is raised after all of that, so a failed save never leaves a half shut-down
+    process.
 
     Then it runs the cyclic garbage collector: a DDP model (always in a reference cycle) that
     the caller no longer holds is freed with its process group now, not during interpreter
@@ -191,13 +218,42 @@ def shutdown() -> None:
     without an active exception"). So let training objects go out of scope (return from the
     function that built them) before calling shutdown.
     """
-    global _state
-    if "ddpgraph.checkpoint" in sys.modules:  # only a process that saved can have a save pending
-        sys.modules["ddpgraph.checkpoint"].wait_for_pending_save()
-    _watchdog.stop()  # a watchdog must not report the group's end as a hang
-    state, _state = _state, None
-    if state is None or not state.owns_group or not dist.is_initialized():
-        return
+    try:
+        _run_shutdown_hooks()
+    finally:
+        _watchdog.stop()  # a watchdog must not report the group's end as a hang
+        state = _STATE.value
+        _globals.reset_at_shutdown()
+        if state is not None and state.owns_group and dist.is_initialized():
+            _destroy_group()
+
+
+def on_shutdown(hook: Callable[[], object]) -> Callable[[], object]:
+    """Run ``hook()`` at the start of every :func:`shutdown`, while the process group still
+    exists, before the watchdog stops; hooks run in the order registered, each once however
+    often it is registered. Returns ``hook``, so it also serves as a decorator.
+
+    The modules that keep work in flight (checkpoint's async save) register here, so that
+    runtime needs to know none of them.
+    """
+    if hook not in _SHUTDOWN_HOOKS.value:
+        _SHUTDOWN_HOOKS.value.append(hook)
+    return hook
+
+
+def _run_shutdown_hooks() -> None:
+    """Every hook, even after one failed; the first failure is raised at the end."""
+    errors: list[BaseException] = []
+    for hook in list(_SHUTDOWN_HOOKS.value):
+        try:
+            hook()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _destroy_group() -> None:
     # No barrier first: a rank that skipped a collective would have it pair with the peer's
     # pending one and hang both; destroying the group makes that peer fail at once instead.
     dist.destroy_process_group()
@@ -324,7 +380,7 @@ def device_identity(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, dist.Store]:
+def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, Store]:
     launch = read_launch_env()
     name = resolve_backend(backend)
     device = bind_device(launch.local_rank)
@@ -335,7 +391,7 @@ def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, dist.S
         _check_port(os.environ["MASTER_PORT"])
         store = _rendezvous(launch, timeout)
     else:
-        store = dist.HashStore()
+        store = HashStore()
     generation = _next_store_key("init")
     check_unique_devices(
         store, launch.rank, launch.world_size, device, key=generation, timeout=timeout
@@ -345,7 +401,7 @@ def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, dist.S
         # torch names the group "0" again after destroy_process_group, and torchrun's store
         # outlives it: without a prefix of its own, a second init would read the first group's
         # addresses (gloo: "Connection refused") or its NCCL unique id.
-        store=dist.PrefixStore(f"{generation}/pg", store),
+        store=PrefixStore(f"{generation}/pg", store),
         rank=launch.rank,
         world_size=launch.world_size,
         timeout=timeout,
@@ -363,16 +419,15 @@ def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, dist.S
     return runtime, store
 
 
-def _rendezvous(launch: LaunchEnv, timeout: timedelta) -> dist.Store:
+def _rendezvous(launch: LaunchEnv, timeout: timedelta) -> Store:
+    store: Store
     try:
-        store, _, _ = next(
-            dist.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout)
-        )
+        store, _, _ = next(rendezvous("env://", launch.rank, launch.world_size, timeout=timeout))
     except dist.DistError as exc:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise CollectiveTimeout(
             f"rank {launch.rank}: the rendezvous at {where} did not complete within "
-            f"{timeout.total_seconds():g}s ({str(exc).splitlines()[0]}); check that MASTER_ADDR "
+            f"{timeout.total_seconds():g}s ({first_line(exc)}); check that MASTER_ADDR "
             f"resolves and is reachable from this host, that all {launch.world_size} rank(s) "
             "were started with the same MASTER_ADDR/MASTER_PORT, or raise timeout=."
         ) from exc
@@ -387,7 +442,7 @@ def _check_port(value: str) -> None:
         )
 
 
-def _adopt_group(timeout: timedelta) -> tuple[Runtime, dist.Store]:
+def _adopt_group(timeout: timedelta) -> tuple[Runtime, Store]:
     launch = read_launch_env()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if launch.launched and (launch.rank, launch.world_size) != (rank, world_size):
@@ -440,9 +495,8 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
 def _next_store_key(kind: str) -> str:
     """A store key no earlier init or adoption of this process used (torchrun's store outlives
     process groups)."""
-    global _init_count
-    _init_count += 1
-    return f"ddpgraph/{_restart_tag()}/{kind}{_init_count}"
+    _STORE_KEYS.value += 1
+    return f"ddpgraph/{_restart_tag()}/{kind}{_STORE_KEYS.value}"
 
 
 def _restart_tag() -> str:
@@ -451,7 +505,7 @@ def _restart_tag() -> str:
 
 
 def check_unique_devices(
-    store: dist.Store,
+    store: Store,
     rank: int,
     world_size: int,
     device: torch.device,
@@ -493,167 +547,6 @@ def check_unique_devices(
             fix="",
         )
     raise_on_device_conflicts(entries)
-
-
-# ---- the one store barrier ----
-
-# A waiting rank re-reads the arrival log at growing intervals, from 1 ms (ranks usually arrive
-# within milliseconds of each other) to 0.1 s: that bounds both the store's load (<= 10 reads a
-# second per waiting rank) and how old the verdict of a rank whose store went away can be.
-# (A store.wait() with a short timeout would wake at once, but torch logs a warning for each.)
-_BARRIER_FIRST_POLL_S = 0.001
-_BARRIER_MAX_POLL_S = 0.1
-_GAVE_UP = "!"
-
-
-@dataclass(frozen=True)
-class BarrierResult:
-    """What a completed :func:`store_barrier` saw: each rank's payload, and who came last."""
-
-    payloads: dict[int, str]
-    last: int  # the rank whose arrival completed the barrier
-    waited_s: float  # how long this rank waited
-
-
-@dataclass(frozen=True)
-class _Verdict:
-    done: bool  # every expected rank arrived before anyone gave up
-    arrived: tuple[int, ...]  # in arrival order, up to the verdict (or all seen, while pending)
-    payloads: dict[int, str]
-    gave_up: int | None = None  # the first rank that gave up waiting, if any did first
-
-
-def store_barrier(
-    store: dist.Store,
-    key: str,
-    *,
-    rank: int,
-    world_size: int,
-    timeout: timedelta,
-    what: str,
-    fix: str,
-    payload: str = "",
-    ranks: Collection[int] | None = None,
-) -> BarrierResult:
-    """Wait until every rank of ``ranks`` (default: all ``world_size``) has called this with
-    ``key``, or raise :class:`CollectiveTimeout` naming the ranks that had not arrived.
-
-    One append-only log per ``key`` is the whole protocol: a rank arriving appends
-    ``"rank payload"``; a rank giving up at its deadline appends ``"! rank"``. Every rank decides
-    from the log alone, and all decide the same: *done* if every expected rank appears before
-    the first give-up, *timed out* (naming the ranks missing before it) otherwise. A rank that
-    arrives after another gave up times out too, so a barrier never lets some ranks through and
-    not others. A waiting rank re-reads the log at least every 0.1 s, so when the store itself
-    goes away (rank 0 hosts it in a plain env:// job, and may exit right after its own timeout)
-    the rank still names the missing ranks from its last read, without another round trip.
-    ``payload`` (one line of text) comes back from every rank in ``BarrierResult.payloads``.
-    Costs 2 store round trips for the last rank to arrive; a waiting rank reads the log at 1, 2,
-    4, ... ms, then every 0.1 s.
-    """
-    expected = frozenset(range(world_size) if ranks is None else ranks)
-    if "\n" in payload:
-        raise ValueError(f"store_barrier: payload {payload!r} must be one line")
-    start = time.monotonic()
-    deadline = start + timeout.total_seconds()
-    log_key = f"{key}/log"
-    try:
-        store.append(log_key, f"{rank} {payload}\n")  # type: ignore[attr-defined]  # not in stubs
-    except Exception as exc:  # e.g. this rank is so late that the store's host has exited
-        raise CollectiveTimeout(
-            f"{what}: this rank ({rank}) could not reach the rendezvous store to arrive "
-            f"({_first_line(exc)}); in a plain env:// job rank 0 hosts it, and it may have "
-            "exited after timing out while this rank was late" + (f"; {fix}." if fix else "."),
-        ) from exc
-    seen = _Verdict(False, (), {})
-    pause = _BARRIER_FIRST_POLL_S
-    while True:
-        try:
-            seen = _read_verdict(store.get(log_key), expected)
-        except Exception as exc:  # the store is gone (its host exited): decide from the last read
-            raise _barrier_timeout(seen, expected, rank, timeout, what, fix, exc) from exc
-        if seen.done or seen.gave_up is not None:
-            break
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            seen = _give_up(store, log_key, rank, expected, seen)
-            break
-        time.sleep(min(pause, remaining))
-        pause = min(2 * pause, _BARRIER_MAX_POLL_S)
-    if not seen.done:
-        raise _barrier_timeout(seen, expected, rank, timeout, what, fix, None)
-    return BarrierResult(seen.payloads, seen.arrived[-1], time.monotonic() - start)
-
-
-def forget_barrier(store: dist.Store, key: str) -> None:
-    """Delete a barrier's keys once every rank is known to be past it (e.g. at the next one)."""
-    with contextlib.suppress(Exception):
-        store.delete_key(f"{key}/log")
-
-
-def _give_up(
-    store: dist.Store, log_key: str, rank: int, expected: frozenset[int], seen: _Verdict
-) -> _Verdict:
-    """Mark this rank as gone, then read the log once more: a rank that arrived before the
-    mark still counts (and then every rank goes on). If the store is gone, the last read holds."""
-    try:
-        store.append(log_key, f"{_GAVE_UP} {rank}\n")  # type: ignore[attr-defined]
-        return _read_verdict(store.get(log_key), expected)
-    except Exception:
-        return seen
-
-
-def _read_verdict(raw: bytes, expected: frozenset[int]) -> _Verdict:
-    arrived: list[int] = []
-    payloads: dict[int, str] = {}
-    for line in raw.decode().splitlines():
-        head, _, rest = line.partition(" ")
-        if head == _GAVE_UP:
-            return _Verdict(False, tuple(arrived), payloads, gave_up=int(rest))
-        who = int(head)
-        if who not in payloads:
-            arrived.append(who)
-            payloads[who] = rest
-        if expected <= payloads.keys():
-            return _Verdict(True, tuple(arrived), payloads)
-    return _Verdict(False, tuple(arrived), payloads)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _barrier_timeout(
-    seen: _Verdict,
-    expected: frozenset[int],
-    rank: int,
-    timeout: timedelta,
-    what: str,
-    fix: str,
-    store_error: Exception | None,
-) -> CollectiveTimeout:
-    arrived = sorted(set(seen.arrived) & expected)
-    missing = sorted(expected - set(arrived))
-    limit = f"{timeout.total_seconds():g}s"
-    if rank in missing:  # this rank's own arrival came after a peer gave up
-        return CollectiveTimeout(
-            f"{what}: this rank ({rank}) arrived after the others had given up waiting ({limit}; "
-            f"rank {seen.gave_up} first); {fix or 'find what made this rank late'}.",
-            missing=[rank],
-        )
-    if store_error is not None:
-        when = (
-            f"{what}: the rendezvous store stopped answering while this rank waited "
-            f"({_first_line(store_error)}; in a plain env:// job rank 0 hosts it and may have "
-            "exited after its own timeout); at this rank's last read"
-        )
-    else:
-        when = f"{what} timed out after {limit}:"
-    return CollectiveTimeout(
-        f"{when} ranks {missing} had not arrived (ranks {arrived} had)"
-        + (f"; {fix}." if fix else "."),
-        missing=missing,
-    )
 
 
 def _parse_devices(lines: Iterable[str]) -> dict[int, tuple[str, str, str]]:

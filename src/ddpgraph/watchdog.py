@@ -20,14 +20,16 @@ not within a few seconds, the process prints the verdict and exits with status
 :data:`EXIT_CODE` instead of hanging.
 
 Hot path (per watched call): :meth:`~Watchdog.enter` / :meth:`~Watchdog.leave` are attribute
-writes, a list append/pop and one ``time.monotonic()``: no lock, no store I/O (about 0.3 us);
+writes, a list append/pop and one ``time.monotonic()``: no lock, no store I/O (about 0.4 us);
 :meth:`~Watchdog.after_replay` adds one ``cudaEventRecord`` (a few us).
+
+What it says (the stall warning, the verdict, the note on a peer's exit) is written by the pure
+functions of :mod:`ddpgraph._watchdog_messages`, from the records this module gathers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import socket
@@ -35,14 +37,27 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 
+from ._globals import Global, process_global
 from ._log import get_logger
+from ._store import store_barrier
+from ._watchdog_messages import (
+    NOTE_PREFIX,
+    Hang,
+    Heartbeat,
+    Observer,
+    Verdict,
+    gone_note,
+    stall_warning,
+    undelivered,
+    verdict_report,
+)
 from .errors import CollectiveTimeout
 
 if TYPE_CHECKING:
@@ -81,14 +96,14 @@ _PEER_GONE = re.compile(
     re.IGNORECASE,
 )
 
-_NOTE_PREFIX = "ddpgraph watchdog:"
-
-_active: Watchdog | None = None
+_ACTIVE: Global[Watchdog | None] = process_global(
+    "watchdog.active", lambda: None, reset_at_shutdown=True
+)
 
 
 def active() -> Watchdog | None:
     """The running :class:`Watchdog`, or None (``watchdog=False``, or no :func:`ddpgraph.init`)."""
-    return _active
+    return _ACTIVE.value
 
 
 def default_stall_warning(timeout: timedelta) -> timedelta:
@@ -113,7 +128,7 @@ class watch:  # lower case: used like a function, ``with watch(...)``
         self._dog: Watchdog | None = None
 
     def __enter__(self) -> Watchdog | None:
-        dog = self._dog = _active
+        dog = self._dog = _ACTIVE.value
         if dog is not None:
             dog.enter(self.phase, dog.step if self.step is None else self.step, self.site)
         return dog
@@ -132,50 +147,32 @@ class watch:  # lower case: used like a function, ``with watch(...)``
             dog.on_error(exc)
 
 
-@dataclass(frozen=True)
-class _Hang:
-    """What this rank is stuck in: a watched call or a replay, since when, and where."""
+class _Watched(NamedTuple):
+    """A watched call on this rank's stack: written by the main thread, read by the thread."""
 
-    kind: str  # "call" or "replay"
     phase: str
     step: int
     site: str | None
-    age: float  # seconds
-    since: float  # monotonic time it began (identifies it for the once-only stall warning)
-
-    def where(self) -> str:
-        site = f" at {self.site}" if self.site else ""
-        if self.kind == "replay":
-            return f"the CUDA graph replay of step {self.step} (not complete on the GPU)"
-        return f"{self.phase}{site}, step {self.step}"
+    began: float  # monotonic
 
 
-@dataclass(frozen=True)
-class _Beat:
-    """A rank's heartbeat as read from the store."""
+class _Event(Protocol):
+    """What the thread needs of a CUDA event: ``query()``, which never blocks."""
 
-    rank: int
+    def query(self) -> bool: ...
+
+
+class _Replay(NamedTuple):
+    """The last replay: the CUDA event recorded after it, its step, and when (monotonic)."""
+
+    event: _Event
     step: int
-    phase: str
-    site: str | None
-    inside: bool  # inside a watched call (else: between calls, last one named)
-    for_s: float  # seconds inside the call, or since leaving the last one, when published
-    time: float  # wall-clock time published
-    host: str
-    pid: int
+    recorded: float
 
-    def age(self, now: float) -> float:
-        return max(0.0, now - self.time)
 
-    def describe(self, now: float) -> str:
-        site = f" at {self.site}" if self.site else ""
-        state = (
-            f"inside {self.phase}{site} for {self.for_s + self.age(now):.1f}s"
-            if self.inside
-            else f"not in a watched call (last: {self.phase}{site}, "
-            f"left {self.for_s + self.age(now):.1f}s ago)"
-        )
-        return f"step {self.step}, {state}; heartbeat {self.age(now):.1f}s old ({self.host} pid {self.pid})"
+# A NamedTuple's own constructor is a call of Python code (~0.2 us); tuple.__new__ makes the same
+# record in half of that (enter() is on every step's path).
+_record = tuple.__new__
 
 
 class Watchdog:
@@ -187,7 +184,7 @@ class Watchdog:
 
     def __init__(
         self,
-        store: dist.Store,
+        store: Store,
         *,
         rank: int,
         world_size: int,
@@ -201,15 +198,15 @@ class Watchdog:
         self.timeout_s = timeout.total_seconds()
         self.stall_s = stall_warning.total_seconds()
         self.step = 0
-        self._store_host = store_host  # who hosts the store, for a report when it is gone
+        self._me = Observer(rank, world_size, self.timeout_s, store_host, _STALE_S)
         # hot-path state: written by the main thread, read by the watchdog thread
-        self._stack: list[tuple[str, int, str | None, float]] = []
-        self._last: tuple[str, int, str | None, float, float] = ("start", 0, None, 0.0, 0.0)
-        self._replay: tuple[torch.cuda.Event, int, float] | None = None
+        self._stack: list[_Watched] = []
+        # the last watched call that returned, and when (monotonic; 0.0: none has yet)
+        self._last: tuple[_Watched, float] = (_Watched("start", 0, None, 0.0), 0.0)
+        self._replay: _Replay | None = None
         self._event: torch.cuda.Event | None = None
         # verdict state
-        self._verdict: str | None = None
-        self._missing: tuple[int, ...] = ()
+        self._verdict: Verdict | None = None
         self._verdict_at = 0.0
         self._delivered = threading.Event()
         self._declare_lock = threading.Lock()
@@ -230,18 +227,17 @@ class Watchdog:
     def enter(self, phase: str, step: int, site: str | None = None) -> None:
         """A watched call begins (a step of ``phase`` at ``step``, or a collective). Call
         :meth:`leave` when it returns, also when it raises. Raises :class:`CollectiveTimeout`
-        with the verdict if a hang was already declared. Cost: ~0.3 us, no lock, no I/O."""
+        with the verdict if a hang was already declared. Cost: ~0.4 us, no lock, no I/O."""
         if self._verdict is not None:
             raise self._error()
         self.step = step
-        self._stack.append((phase, step, site, time.monotonic()))
+        self._stack.append(_record(_Watched, (phase, step, site, time.monotonic())))
 
     def leave(self) -> None:
         """The innermost watched call returned (or raised)."""
         stack = self._stack
         if stack:
-            phase, step, site, began = stack.pop()
-            self._last = (phase, step, site, began, time.monotonic())
+            self._last = (stack.pop(), time.monotonic())
 
     def after_replay(self, stream: torch.cuda.Stream, step: int) -> None:
         """Record one CUDA event on ``stream`` after a replay of ``step``; the thread polls it
@@ -252,10 +248,10 @@ class Watchdog:
             import torch
 
             with torch.cuda.device(stream.device):
-                event = self._event = torch.cuda.Event()
+                event = self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         self.step = step
-        self._replay = (event, step, time.monotonic())
+        self._replay = _Replay(event, step, time.monotonic())
 
     # ---- life cycle ----
 
@@ -290,15 +286,17 @@ class Watchdog:
         """A watched call raised ``exc``: raise the verdict instead if this was the hang, or note
         which peer is gone if a peer's exit broke the call."""
         if isinstance(exc, CollectiveTimeout) and (
-            self._verdict is None or str(exc) == self._verdict
+            self._verdict is None or str(exc) == self._verdict.report
         ):
             return  # a timeout of its own (an object collective's timeout=), or ours already
-        if any(str(n).startswith(_NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
+        if any(str(n).startswith(NOTE_PREFIX) for n in getattr(exc, "__notes__", ())):
             return  # an inner watched call has noted it already
         if self._verdict is None:
-            phase, step, site, began, left = self._last
-            if left - began >= _TIMEOUT_FRACTION * self.timeout_s:
-                self._declare(_Hang("call", phase, step, site, left - began, began))
+            call, left = self._last
+            if left - call.began >= _TIMEOUT_FRACTION * self.timeout_s:
+                self._declare(
+                    Hang("call", call.phase, call.step, call.site, left - call.began, call.began)
+                )
         if self._verdict is not None:
             self._delivered.set()
             raise self._error() from exc
@@ -310,31 +308,16 @@ class Watchdog:
 
     def _error(self) -> CollectiveTimeout:
         self._delivered.set()
-        return CollectiveTimeout(self._verdict or "", self._missing)
+        found = self._verdict
+        return CollectiveTimeout(found.report, found.missing) if found else CollectiveTimeout("")
 
     def _gone_note(self) -> str:
         """Which ranks stopped beating: read twice, a heartbeat period and more apart."""
-        first = self._read_beats()
-        if first is None:
-            return f"{_NOTE_PREFIX} the rendezvous store does not answer; {self._store_host}."
-        time.sleep(_HEARTBEAT_S * 2.5)
-        second = self._read_beats()
-        if second is None:
-            return f"{_NOTE_PREFIX} the rendezvous store stopped answering; {self._store_host}."
-        gone = [
-            r
-            for r in range(self.world_size)
-            if r != self.rank
-            and (second.get(r) is None or (first.get(r) and second[r] == first.get(r)))
-        ]
-        if not gone:
-            return ""
-        now = time.time()
-        where = "; ".join(
-            f"rank {r}: " + (b.describe(now) if (b := first.get(r)) else "no heartbeat")
-            for r in gone
-        )
-        return f"{_NOTE_PREFIX} rank(s) {gone} stopped sending heartbeats ({where})."
+        first = second = self._read_beats()
+        if first is not None:
+            time.sleep(_HEARTBEAT_S * 2.5)
+            second = self._read_beats()
+        return gone_note(self._me, first, second, time.time())
 
     # ---- the thread ----
 
@@ -364,11 +347,11 @@ class Watchdog:
             self._warned_since = hang.since
             self._warn_stall(hang)
         elif look_for_peer_verdict and self._peer_verdict():  # once a heartbeat: store load
-            get_logger().error("%s", self._verdict)
+            get_logger().error("%s", self._verdict.report if self._verdict else "")
             self._abort_communicators()
             self._acknowledge_verdict()
 
-    def _local_hang(self, now: float) -> _Hang | None:
+    def _local_hang(self, now: float) -> Hang | None:
         hang = None
         stack = self._stack
         try:
@@ -376,102 +359,39 @@ class Watchdog:
         except IndexError:  # empty, or emptied while read
             pass
         else:
-            phase, step, site, _ = innermost
-            hang = _Hang("call", phase, step, site, now - oldest[3], oldest[3])
+            hang = Hang(
+                "call", innermost.phase, innermost.step, innermost.site,
+                now - oldest.began, oldest.began,
+            )  # fmt: skip
         replay = self._replay
-        if replay is not None and (hang is None or now - replay[2] > hang.age):
-            event, step, recorded = replay
-            if now - recorded >= self.stall_s and not event.query():
-                hang = _Hang("replay", "replay", step, None, now - recorded, recorded)
+        if replay is not None and (hang is None or now - replay.recorded > hang.age):
+            age = now - replay.recorded
+            if age >= self.stall_s and not replay.event.query():
+                hang = Hang("replay", "replay", replay.step, None, age, replay.recorded)
         return hang
 
-    def _warn_stall(self, hang: _Hang) -> None:
-        beats = self._read_beats()
-        slow = "" if beats is None else self._behind_text(beats, hang)
-        if slow:
-            outlook = "training goes on if they catch up"
-        else:  # e.g. a long first step (compiling, capturing) on every rank
-            outlook = "no rank is behind it (a long step everywhere, or a wait inside it)"
-        get_logger().warning(
-            "ddpgraph watchdog: rank %d has been in %s for %.1fs%s; %s, and fails at %gs "
-            "(timeout) if this call has not returned.",
-            self.rank, hang.where(), hang.age, f"; behind: {slow}" if slow else "", outlook,
-            self.timeout_s,
-        )  # fmt: skip
+    def _warn_stall(self, hang: Hang) -> None:
+        text = stall_warning(self._me, hang, self._read_beats(), time.time())
+        get_logger().warning("%s", text)
 
-    def _declare(self, hang: _Hang) -> None:
+    def _declare(self, hang: Hang) -> None:
         """Build the verdict (or adopt a peer's), log it, abort the communicators."""
         with self._declare_lock:
             if self._verdict is not None:
                 return
-            beats = self._read_beats()
-            report, missing = self._report(hang, beats)
-            agreed = self._agree({"report": report, "missing": missing})
-            self._verdict, self._missing = agreed["report"], tuple(agreed["missing"])
+            mine = verdict_report(self._me, hang, self._read_beats(), time.time())
+            self._verdict = self._agree(mine)
             self._verdict_at = time.monotonic()
-        get_logger().error("%s", self._verdict)
+        get_logger().error("%s", self._verdict.report)
         self._abort_communicators()
         self._acknowledge_verdict()
 
-    def _report(self, hang: _Hang, beats: dict[int, _Beat] | None) -> tuple[str, list[int]]:
-        head = (
-            f"ddpgraph watchdog: rank {self.rank} has been in {hang.where()} for "
-            f"{hang.age:.1f}s (timeout {self.timeout_s:g}s)."
-        )
-        if beats is None:
-            return (
-                f"{head} The rendezvous store does not answer, so where the other ranks are is "
-                f"unknown; {self._store_host}. The job is stopped instead of hanging.",
-                [],
-            )
-        behind = self._behind(beats, hang)
-        now = time.time()
-        lines = [
-            f"  rank {r}: "
-            + (beats[r].describe(now) if r in beats else "no heartbeat")
-            + (f"   <- behind ({behind[r]})" if r in behind else "")
-            for r in range(self.world_size)
-        ]
-        named = f"Behind: ranks {sorted(behind)}." if behind else "No rank is behind this one."
-        fix = (
-            "Look at the behind ranks' own output for an exception, a stop (SIGSTOP, a debugger), "
-            "a call that the others make and they skip, or a slower step; raise "
-            "ddpgraph.init(timeout=) only if a rank is legitimately this slow."
-        )
-        return "\n".join([f"{head} {named} Where every rank is:", *lines, fix]), sorted(behind)
-
-    def _behind(self, beats: dict[int, _Beat], hang: _Hang) -> dict[int, str]:
-        """Ranks that are behind this one, each with a short reason."""
-        now = time.time()
-        behind: dict[int, str] = {}
-        for r in range(self.world_size):
-            beat = beats.get(r)
-            if r == self.rank:
-                continue
-            if beat is None:
-                behind[r] = "no heartbeat: not started, or exited"
-            elif beat.age(now) > _STALE_S:
-                behind[r] = f"no heartbeat for {beat.age(now):.1f}s: stopped or dead"
-            elif beat.step < hang.step:
-                behind[r] = f"at step {beat.step}"
-            elif beat.step == hang.step and not beat.inside:
-                behind[r] = f"not in a watched call at step {beat.step}"
-        return behind
-
-    def _behind_text(self, beats: dict[int, _Beat], hang: _Hang) -> str:
-        now = time.time()
-        return "; ".join(
-            f"rank {r} ({why}; " + (beats[r].describe(now) if r in beats else "no heartbeat") + ")"
-            for r, why in sorted(self._behind(beats, hang).items())
-        )
-
-    def _agree(self, mine: dict[str, Any]) -> dict[str, Any]:
+    def _agree(self, mine: Verdict) -> Verdict:
         """The first verdict written wins, so that every rank prints the same one."""
-        text = json.dumps(mine)
         try:
-            stored = self._store.compare_set(_VERDICT, "", text)
+            stored = self._store.compare_set(_VERDICT, "", mine.to_json())
             self._keys.add(_VERDICT)
-            return dict(json.loads(stored))
+            return Verdict.from_json(stored)
         except Exception:  # the store is gone: this rank's own verdict is all there is
             return mine
 
@@ -480,20 +400,18 @@ class Watchdog:
         try:
             if not self._store.check([_VERDICT]):
                 return False
-            agreed = json.loads(self._store.get(_VERDICT))
+            agreed = Verdict.from_json(self._store.get(_VERDICT))
         except Exception:
             return False
         with self._declare_lock:
             if self._verdict is None:
-                self._verdict, self._missing = agreed["report"], tuple(agreed["missing"])
+                self._verdict = agreed
                 self._verdict_at = time.monotonic()
                 self._keys.add(_VERDICT)
         return True
 
     def _acknowledge_verdict(self) -> None:
         """Wait (briefly) until the live peers have the verdict too, then go on."""
-        from .runtime import store_barrier
-
         beats = self._read_beats() or {}
         now = time.time()
         live = [r for r, b in beats.items() if b.age(now) <= _STALE_S] + [self.rank]
@@ -513,11 +431,8 @@ class Watchdog:
     def _exit_if_undelivered(self, now: float) -> None:
         if self._delivered.is_set() or now - self._verdict_at < _DELIVERY_GRACE_S:
             return
-        sys.stderr.write(
-            f"{self._verdict}\nddpgraph watchdog: rank {self.rank}'s main thread is still "
-            f"blocked {_DELIVERY_GRACE_S:g}s after the verdict; exiting with status "
-            f"{EXIT_CODE} instead of hanging.\n"
-        )
+        report = self._verdict.report if self._verdict else ""
+        sys.stderr.write(undelivered(self._me, report, _DELIVERY_GRACE_S, EXIT_CODE))
         sys.stderr.flush()
         self._stop.set()  # (when _exit is a test's recorder, the thread ends here)
         self._exit(EXIT_CODE)
@@ -536,41 +451,42 @@ class Watchdog:
 
     # ---- heartbeats ----
 
-    def _position(self) -> tuple[str, int, str | None, bool, float]:
+    def _heartbeat(self) -> Heartbeat:
+        """Where this rank is: the innermost watched call, else the last replay or call."""
         now = time.monotonic()
-        stack = self._stack
+        replay, (last, left) = self._replay, self._last
         try:
-            phase, step, site, began = stack[-1]
-            return phase, step, site, True, now - began
-        except IndexError:
-            phase, step, site, _, left = self._last
-            return phase, max(step, self.step), site, False, now - left if left else 0.0
+            call = self._stack[-1]
+        except IndexError:  # between watched calls
+            if replay is not None and replay.recorded >= left:
+                phase, step, site, for_s = "replay", replay.step, None, now - replay.recorded
+            else:
+                phase, step, site = last.phase, max(last.step, self.step), last.site
+                for_s = now - left if left else 0.0
+            inside = False
+        else:
+            phase, step, site, inside, for_s = (
+                call.phase,
+                call.step,
+                call.site,
+                True,
+                now - call.began,
+            )
+        self._beats += 1
+        return Heartbeat(
+            step, phase, site, inside, for_s, time.time(), socket.gethostname(), os.getpid(),
+            self._beats,
+        )  # fmt: skip
 
     def _publish(self) -> None:
-        phase, step, site, inside, for_s = self._position()
-        replay = self._replay
-        if not inside and replay is not None and replay[2] >= self._last[4]:
-            phase, step, site, for_s = "replay", replay[1], None, time.monotonic() - replay[2]
-        self._beats += 1
-        beat = {
-            "step": step,
-            "phase": phase,
-            "site": site,
-            "inside": inside,
-            "for": round(for_s, 3),
-            "time": time.time(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "n": self._beats,
-        }
         key = _beat_key(self.rank)
         try:
-            self._store.set(key, json.dumps(beat))
+            self._store.set(key, self._heartbeat().to_json())
             self._keys.add(key)
         except Exception:
             pass  # the store is gone or slow: the next beat tries again
 
-    def _read_beats(self) -> dict[int, _Beat] | None:
+    def _read_beats(self) -> dict[int, Heartbeat] | None:
         """Every rank's last heartbeat (missing ranks absent), or None if the store is gone."""
         keys = [_beat_key(r) for r in range(self.world_size)]
         try:
@@ -583,11 +499,7 @@ class Watchdog:
         beats = {}
         for r, raw in raws.items():
             with contextlib.suppress(ValueError, KeyError, TypeError):
-                d = json.loads(raw)
-                beats[r] = _Beat(
-                    r, d["step"], d["phase"], d["site"], d["inside"], d["for"], d["time"],
-                    d["host"], d["pid"],
-                )  # fmt: skip
+                beats[r] = Heartbeat.from_json(raw)
         return beats
 
 
@@ -607,9 +519,9 @@ def _beat_key(rank: int) -> str:
     return f"beat/{rank}"
 
 
-def _thread_store(store: dist.Store) -> dist.Store:
+def _thread_store(store: Store) -> Store:
     try:
-        clone = store.clone()  # type: ignore[attr-defined]  # not in the stubs
+        clone: Store = store.clone()  # type: ignore[attr-defined]  # not in the stubs
     except Exception:  # a store type without clone: share it (its calls are thread-safe in c10d)
         return store
     with contextlib.suppress(Exception):
@@ -621,7 +533,7 @@ def _thread_store(store: dist.Store) -> dist.Store:
 
 
 def start(
-    store: dist.Store,
+    store: Store,
     *,
     rank: int,
     world_size: int,
@@ -630,7 +542,6 @@ def start(
     store_host: str,
 ) -> Watchdog:
     """Start this rank's watchdog on ``store`` (a prefix of its own); stops any earlier one."""
-    global _active
     stop()
     dog = Watchdog(
         store,
@@ -641,13 +552,12 @@ def start(
         store_host=store_host,
     )
     dog.start()
-    _active = dog
+    _ACTIVE.value = dog
     return dog
 
 
 def stop() -> None:
     """Stop the running watchdog, if any: no thread and none of its store keys remain."""
-    global _active
-    dog, _active = _active, None
+    dog, _ACTIVE.value = _ACTIVE.value, None
     if dog is not None:
         dog.stop()

@@ -7,8 +7,8 @@ import torch
 
 import ddpgraph
 from ddpgraph import DeviceConflictError
-from ddpgraph.compat import patch_torch, unpatch
 from ddpgraph.testing import run_distributed
+from ddpgraph.torch_patch import patch_torch, unpatch
 
 from . import object_gpu_workers
 
@@ -26,7 +26,7 @@ def test_nccl_world_size_one_round_trips_and_decodes_on_cpu(rt):
     assert ddpgraph.broadcast_object("x" * 100_000, src=0) == "x" * 100_000
 
 
-def test_compat_on_nccl(rt):
+def test_torch_patch_on_nccl(rt):
     patch_torch()
     try:
         out = [None]
