@@ -1,14 +1,17 @@
 """Regenerate the README's performance section (table + chart) from benchmarks/results/*.json.
 
-Usage: python benchmarks/render.py   (the chart needs matplotlib)
+Usage: python benchmarks/render.py   (the chart needs matplotlib: pip install 'ddpgraph[plot]')
 
 Only numbers recorded by `ddpgraph bench` appear; nothing is typed by hand. Each cell is the
 median over the file's repeated runs, and each ratio compares modes measured in one run.
+It never deletes README content it cannot regenerate: without matplotlib the chart already
+committed stays linked (and is not redrawn); without results a section keeps its old text.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from ddpgraph.bench_report import chart, table_rows, to_markdown
@@ -30,10 +33,11 @@ def load() -> list[tuple[str, dict]]:
     return found
 
 
-def section(results: list[tuple[str, dict]]) -> str:
+def section(results: list[tuple[str, dict]]) -> str | None:
+    """The performance section, or None when there is nothing to render it from."""
     rows = [row for name, data in results for row in table_rows(name, data)]
     if not rows:
-        return "No GPU benchmark results recorded yet."
+        return None
     sources = "\n".join(
         f"- `{name}`: {d['environment']['gpu']}, torch {d['environment']['torch']}, "
         f"CUDA {d['environment']['cuda']}, NCCL {d['environment'].get('nccl')}, "
@@ -51,7 +55,14 @@ def section(results: list[tuple[str, dict]]) -> str:
         "Sources:",
         sources,
     ]
-    if chart(rows, CHART):
+    drawn = chart(rows, CHART)
+    if not drawn and CHART.exists():
+        print(
+            f"kept the existing {CHART.relative_to(ROOT).as_posix()} (not redrawn); install "
+            "matplotlib (pip install 'ddpgraph[plot]') to redraw it",
+            file=sys.stderr,
+        )
+    if drawn or CHART.exists():
         parts += ["", f"![step time relative to eager DDP]({CHART.relative_to(ROOT).as_posix()})"]
     return "\n".join(parts)
 
@@ -119,7 +130,8 @@ def watchdog_section(data: dict, name: str) -> list[str]:
     ]
 
 
-def loops_section() -> str:
+def loops_section() -> str | None:
+    """The real-loops section, or None when none of its result files exist."""
     parts: list[str] = []
     renderers = {
         "varlen-h200.json": varlen_section,
@@ -130,12 +142,15 @@ def loops_section() -> str:
         path = RESULTS / name
         if path.exists():
             parts += [*render(json.loads(path.read_text()), name), ""]
-    return "\n".join(parts).rstrip() or "No loop benchmark results recorded yet."
+    return "\n".join(parts).rstrip() or None
 
 
-def _replace(text: str, start: str, end: str, body: str) -> str:
+def _replace(text: str, start: str, end: str, body: str | None) -> str:
     if start not in text or end not in text:
         raise SystemExit(f"README.md lacks the {start} ... {end} markers")
+    if body is None:
+        print(f"no results for {start} ... {end}: kept that section as it was", file=sys.stderr)
+        return text
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"
