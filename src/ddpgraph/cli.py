@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
+import tempfile
 import tokenize
 from pathlib import Path
 
@@ -134,7 +136,12 @@ def train(
 )
 @click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run (eager and TrainStep).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="A CPU-friendly smoke run: by default a tiny MLP, eager and TrainStep; --config and "
+    "--mode still choose.",
+)
 @click.option(
     "--varlen",
     is_flag=True,
@@ -158,26 +165,40 @@ def bench(
     out: Path,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    problem = _unwritable_file(out)
+    if problem:  # found now, not after the whole run has been measured
+        raise click.BadParameter(problem, param_hint="'--out'")
     if varlen:
         from .bench_varlen import run_varlen
 
         run_varlen(repeats=repeats, quick=quick, out=out)
         return
-    from .bench import CONFIGS, MODES, run_bench
+    from .bench import run_bench
 
-    chosen = (
-        ["eager_ddp", *(m for m in MODES if m in modes and m != "eager_ddp")]
-        if modes
-        else list(MODES)
-    )
     run_bench(
-        list(configs) or list(CONFIGS),
-        modes=chosen,
+        list(configs),
+        modes=list(modes) or None,
         steps=steps,
         repeats=repeats,
         quick=quick,
         out=out,
     )
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why ``path`` (and the files written beside it) cannot be written, or None."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return (
+            f"{path}: {folder} is not a writable directory ({exc.strerror or exc}); pick another."
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} exists and is not writable; pick another file or make it writable."
+    return None
 
 
 @cli.command()

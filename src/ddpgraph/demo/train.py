@@ -339,7 +339,7 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
         table.add_row(
             str(m["rank"]),
             m["device"],
-            m["mode"],
+            mode_text(m),
             "-" if m["time_to_first_replay_s"] is None else f"{m['time_to_first_replay_s']:.2f} s",
             str(m["samples_seen"]),
             f"{m['final_loss']:.4f}",
@@ -350,6 +350,15 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     console.print(table)
     path = write_run_json(Path(config.out), config, everyone)
     console.print(f"wrote {path}")
+
+
+def mode_text(metrics: dict[str, Any]) -> str:
+    """The table's mode cell: an eager rank says why (the whole reason is in run.json)."""
+    if metrics["mode"] != "eager":
+        return str(metrics["mode"])
+    if not str(metrics["device"]).startswith("cuda"):
+        return "eager (cpu: no CUDA graphs)"
+    return "eager (fallback: see run.json)" if metrics["fallbacks"] else "eager"
 
 
 def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]]) -> Path:
