@@ -22,9 +22,9 @@ from ddpgraph.testing import run_distributed
 STEPS = 200  # ~2 s of training on 2 CPU ranks: room to kill a rank after the first checkpoint
 
 
-def run_job(out: Path, **options: object) -> list[dict]:
+def run_job(out: Path, steps: int = STEPS, **options: object) -> list[dict]:
     """The workers of ``ddpgraph train`` without the CLI and elastic agent (seconds faster)."""
-    config = TrainConfig(steps=STEPS, out=str(out), **options)  # type: ignore[arg-type]
+    config = TrainConfig(steps=steps, out=str(out), **options)  # type: ignore[arg-type]
     return run_distributed(run_worker, 2, init=False, args=(config,), timeout=120)
 
 
@@ -67,6 +67,40 @@ def test_interrupted_runs_end_bitwise_identical_to_an_uninterrupted_one(tmp_path
     run = json.loads((killed / "run.json").read_text())
     assert all(r["resumed_from"] > 0 for r in run["ranks"])
     assert final_hash(killed) == reference
+
+
+@pytest.mark.timeout(200)
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_still_ends_exactly(tmp_path, capfd):
+    whole = tmp_path / "whole"
+    run_job(whole, steps=100)
+    parts = tmp_path / "parts"
+    run_job(parts, steps=100, checkpoint_every=20, stop_after=60)  # keeps step 40 and step 60
+    newest = parts / "checkpoints" / "step-00000060"
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    capfd.readouterr()
+    metrics = run_job(parts, steps=100, checkpoint_every=20, resume=True)
+    assert [m["resumed_from"] for m in metrics] == [40, 40]  # every rank the same older one
+    assert (
+        f"skipped checkpoint {newest}: {shard} is truncated (100 of its" in capfd.readouterr().err
+    )
+    assert final_hash(parts, 100) == final_hash(whole, 100)
+
+
+def test_resume_past_a_garbled_manifest_checks_the_next_one(tmp_path):
+    out = tmp_path / "run"
+    _fake_checkpoint(out, world_size=4)
+    newer = out / "checkpoints" / "step-00000020"
+    newer.mkdir()
+    (newer / "ddpgraph.json").write_text("{garbled")
+    result = CliRunner().invoke(cli, ["train", "--nproc", "2", "--resume", "--out", str(out)])
+    assert result.exit_code == 2
+    assert "step-00000010 was saved by 4 rank(s), this run has 2" in result.output
+    (out / "checkpoints" / "step-00000010" / "ddpgraph.json").write_text("")
+    result = CliRunner().invoke(cli, ["train", "--nproc", "2", "--resume", "--out", str(out)])
+    assert result.exit_code == 2
+    assert f"--resume found no loadable checkpoint in {out / 'checkpoints'}: " in result.output
+    assert "step-00000020: " in result.output and "is not readable JSON" in result.output
 
 
 def _start(*args: str) -> subprocess.Popen[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from dataclasses import asdict
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import MANIFEST, latest_checkpoint
+from ..checkpoint import CheckpointError, latest_checkpoint, read_manifest, step_dirs
 from ..launch import default_nproc, run_local
 from .train import SAME_ON_RESUME, TRAIN_SAMPLES, TrainConfig, run_worker
 
@@ -80,11 +79,29 @@ def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
             f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
             "point --out at the directory of the run to continue."
         )
-    return _check_fits_run(config, workers, found)
+    return _check_fits_run(config, workers)
 
 
-def _check_fits_run(config: TrainConfig, workers: int, found: Path) -> str | None:
-    manifest = json.loads((found / MANIFEST).read_text())
+def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
+    """The newest checkpoint whose manifest reads must fit this run (the workers skip damaged
+    checkpoints for older ones on their own, naming each)."""
+    unreadable = []
+    for found in step_dirs(config.checkpoints):
+        try:
+            manifest = read_manifest(found)
+        except CheckpointError as exc:
+            unreadable.append(f"{found.name}: {exc}")
+            continue
+        return _check_manifest_fits(config, workers, found, manifest)
+    return (
+        f"--resume found no loadable checkpoint in {config.checkpoints}: {'; '.join(unreadable)}; "
+        "restore them from a copy, or start without --resume."
+    )
+
+
+def _check_manifest_fits(
+    config: TrainConfig, workers: int, found: Path, manifest: dict
+) -> str | None:
     if manifest.get("world_size") != workers:
         return (
             f"{found} was saved by {manifest.get('world_size')} rank(s), this run has {workers}; "
