@@ -269,14 +269,37 @@ def _read_message(source: str) -> str:
         return _decode(sys.stdin.buffer.read())
     try:
         is_file = "\n" not in source and Path(source).is_file()
+        is_dir = "\n" not in source and Path(source).is_dir()
     except OSError:  # e.g. a long message is not a valid file name
-        is_file = False
+        is_file = is_dir = False
+    if is_dir:
+        raise click.BadParameter(
+            f"{source} is a directory; pass a log file in it, or the error message itself.",
+            param_hint="'SOURCE'",
+        )
+    if not is_file and _names_a_file(source):
+        raise click.BadParameter(
+            f"no file {source} (looked in {Path.cwd()}); pass an existing log file, or the error "
+            "message itself (text with spaces, or on stdin: `... | ddpgraph explain -`).",
+            param_hint="'SOURCE'",
+        )
     if not is_file:
         return source
     try:
         return _decode(Path(source).read_bytes())
     except OSError as exc:
         raise click.FileError(source, hint=exc.strerror) from exc
+
+
+def _names_a_file(source: str) -> bool:
+    """Whether ``source`` reads as a file name rather than a message: one word with a path
+    separator or a log-like suffix (``run.log``, ``logs/err.txt``); error messages have spaces."""
+    if any(c.isspace() for c in source):
+        return False
+    return os.sep in source or "/" in source or Path(source).suffix.lower() in _LOG_SUFFIXES
+
+
+_LOG_SUFFIXES = frozenset({".log", ".txt", ".out", ".err", ".stderr", ".stdout", ".json"})
 
 
 def _decode(data: bytes) -> str:
