@@ -99,6 +99,7 @@ def launch(argv: Sequence[str]) -> int:
 def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     """torchrun's parsed options for ``argv``, with the worker command replaced by ours."""
     args = _parse(argv)
+    _check_nproc_per_node(args.nproc_per_node)
     if args.no_python:
         raise ConfigError(
             "ddpgraph launch cannot guard --no-python: the workers would not run Python, so "
@@ -117,6 +118,19 @@ def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     args.training_script = WORKER_MODULE
     args.training_script_args = [*target, *args.training_script_args]
     return args
+
+
+def _check_nproc_per_node(value: str) -> None:
+    """torch's agent asserts ``nproc_per_node > 0`` after the rendezvous, with no message."""
+    try:
+        count = int(value)
+    except ValueError:
+        return  # "gpu", "cpu", "auto", "xpu": torch's parser knows them and names a bad one
+    if count < 1:
+        raise ConfigError(
+            f"--nproc-per-node {value}: each node needs at least 1 worker process; pass "
+            f"--nproc-per-node 1 or more (or gpu / cpu / auto), e.g. `{USAGE_EXAMPLE}`."
+        )
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:
