@@ -191,6 +191,21 @@ def test_data_that_fails_to_load_is_skipped_too(tmp_path):
     assert Job().load(tmp_path)["step"] == 2
 
 
+def test_saving_onto_a_file_or_where_nothing_can_be_written_is_a_checkpoint_error(tmp_path):
+    job = Job()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError) as info:
+        job.save(blocker, 1)
+    assert str(info.value) == (
+        f"save_checkpoint: {blocker} is a file, not a directory; pass a directory (each "
+        f"checkpoint goes in DIRECTORY/step-00000001), e.g. {tmp_path / 'checkpoints'}."
+    )
+    # under a file: DCP's own CheckpointException is a BaseException; it arrives as an Exception
+    with pytest.raises(CheckpointError, match=r"save_checkpoint could not write .*step-00000001"):
+        job.save(blocker / "sub", 1)
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     job = Job()
     job.train(1)

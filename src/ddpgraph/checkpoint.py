@@ -488,6 +488,11 @@ def save_checkpoint(
     parts = _resolve("save_checkpoint", train_step, model, optimizer, scheduler, loader)
     wait_for_pending_save()
     root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"save_checkpoint: {root} is a file, not a directory; pass a directory (each "
+            f"checkpoint goes in DIRECTORY/{step_dir_name(step)}), e.g. {root.parent / 'checkpoints'}."
+        )
     rank, world_size, distributed = _group()
     partial = root / _agreed_partial_name(step, distributed)
     state = _live_state(parts, rank)
@@ -571,9 +576,16 @@ def _planner() -> Any:
 
 def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(
+            f"save_checkpoint could not write {partial} ({_first_cause(exc)}); check that "
+            f"{partial.parent} is a writable directory with space."
+        ) from None
 
 
 def _save_async(
