@@ -759,9 +759,10 @@ def load_checkpoint(
             problem = _agreed(_read_into(state, path, distributed), distributed)
         if problem is not None:
             skipped.append(f"{path.name}: {problem}")
-            get_logger().warning(
-                "skipped checkpoint %s: %s; trying the next older one", path, problem
-            )
+            if rank == 0:  # every rank skips it alike: one report
+                get_logger().warning(
+                    "skipped checkpoint %s: %s; trying the next older one", path, problem
+                )
             continue
         _apply(parts, state, rank, before or {})
         get_logger().info("loaded checkpoint of step %d from %s", manifest["step"], path)

@@ -13,13 +13,22 @@ from pathlib import Path
 import click
 
 from . import __version__
+from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
+from .errors import ConfigError
 from .errors import explain as explain_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddpgraph")
-def cli() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    help=f"Show the traceback of an error, not only its message (also {DEBUG_ENV}=1).",
+)
+def cli(debug: bool) -> None:
     """Fast PyTorch data-parallel training that never fails silently."""
+    if debug:
+        request_debug()
 
 
 @cli.command()
@@ -366,7 +375,6 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
     Exit status: 0 when every worker succeeded, 1 when one failed, 2 for a usage error.
     """
-    from .errors import ConfigError
     from .launch import launch as run_launch
 
     try:
@@ -377,4 +385,13 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
 
 def main() -> None:
-    cli()
+    """The console script: a ddpgraph error is its message (exit 2 for a usage error, else 1);
+    its traceback only with --debug or DDPGRAPH_DEBUG=1."""
+    try:
+        cli()
+    except REPORTED as exc:
+        if debug_requested():
+            raise
+        click.echo(f"ddpgraph: error: {exc}", err=True)
+        click.echo(f"(rerun with --debug or {DEBUG_ENV}=1 for the traceback)", err=True)
+        raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None
