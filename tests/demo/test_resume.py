@@ -307,3 +307,28 @@ def test_a_plain_run_is_told_of_old_checkpoints_it_leaves_and_a_restartable_one_
     problem = _check_before_launch(restartable, 2)
     assert problem is not None and "already holds checkpoints (newest: step-00000010)" in problem
     assert _notes(TrainConfig(out=str(tmp_path / "fresh"))) == []
+
+
+def test_a_reported_worker_error_is_one_line_per_message_and_other_endings_are_named(
+    tmp_path, capsys
+):
+    from types import SimpleNamespace
+
+    from ddpgraph.demo.launch import _failed
+    from ddpgraph.demo.train import FAILED, REPORTED_EXIT
+
+    config = TrainConfig(out=str(tmp_path))
+    report = {"type": "CheckpointError", "message": "no checkpoint loads", "usage": True}
+    (tmp_path / FAILED.format(rank=0)).write_text(json.dumps(report))
+    failures = {0: SimpleNamespace(exitcode=REPORTED_EXIT), 1: SimpleNamespace(exitcode=-15)}
+    assert _failed(config, SimpleNamespace(failures=failures)) == 2
+    err = capsys.readouterr().err
+    assert "ddpgraph train: failed on rank(s) 0: CheckpointError: no checkpoint loads\n" in err
+    assert "ddpgraph train: also ended: rank 1 (exit code -15)\n" in err
+    assert not list(tmp_path.iterdir())  # the report is taken
+
+    # a failure no rank reported: torch's own report, exit status 1
+    failures = {1: SimpleNamespace(exitcode=-9)}
+    crashed = SimpleNamespace(failures=failures, format_msg=lambda: "rank 1 got SIGKILL")
+    assert _failed(config, crashed) == 1
+    assert "ddpgraph train: failed:\nrank 1 got SIGKILL" in capsys.readouterr().err

@@ -110,8 +110,8 @@ def _take_failures(config: TrainConfig) -> dict[int, dict[str, Any]]:
 def _failed(config: TrainConfig, exc: Any) -> int:
     """A worker failed: a ddpgraph error as its message (grouped by rank), else torch's report."""
     reported = _take_failures(config)
-    codes = {failure.exitcode for failure in exc.failures.values()}
-    if not reported or codes != {REPORTED_EXIT}:
+    codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    if not reported or REPORTED_EXIT not in codes.values():
         _say(f"failed:\n{exc.format_msg()}")
         return 1
     by_text: dict[str, list[int]] = {}
@@ -119,6 +119,10 @@ def _failed(config: TrainConfig, exc: Any) -> int:
         by_text.setdefault(f"{failure['type']}: {failure['message']}", []).append(rank)
     for text, ranks in by_text.items():
         _say(f"failed on rank(s) {', '.join(map(str, ranks))}: {text}")
+    # a peer stopped by the launcher once the first rank failed, or one that died otherwise
+    others = {r: c for r, c in codes.items() if c != REPORTED_EXIT and r not in reported}
+    if others:
+        _say("also ended: " + ", ".join(f"rank {r} (exit code {c})" for r, c in others.items()))
     print(f"(rerun with --debug or {DEBUG_ENV}=1 for the tracebacks)", file=sys.stderr)
     return 2 if all(failure["usage"] for failure in reported.values()) else 1
 
