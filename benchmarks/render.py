@@ -1,16 +1,19 @@
 """Regenerate the performance numbers of README.md and docs/benchmarks.md from benchmarks/results.
 
-Usage: python benchmarks/render.py   (the chart needs matplotlib)
+Usage: python benchmarks/render.py   (the chart needs matplotlib: pip install 'ddpgraph[plot]')
 
 Only numbers recorded in benchmarks/results/*.json appear; nothing is typed by hand. Each cell is
 the median over the file's repeated runs, and each ratio compares modes measured in one run.
 Only the text between each pair of markers is replaced; a file without its markers is an error,
 so no other text is ever rewritten.
+It never deletes content it cannot regenerate: without matplotlib the chart already committed
+stays linked (and is not redrawn); without results a section keeps its old text.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -37,10 +40,11 @@ def load() -> list[tuple[str, dict]]:
     return found
 
 
-def section(results: list[tuple[str, dict]]) -> str:
+def section(results: list[tuple[str, dict]]) -> str | None:
+    """The performance section, or None when there is nothing to render it from."""
     rows = [row for name, data in results for row in table_rows(name, data)]
     if not rows:
-        return "No GPU benchmark results recorded yet."
+        return None
     sources = "\n".join(
         f"- `{name}`: {d['environment']['gpu']}, torch {d['environment']['torch']}, "
         f"CUDA {d['environment']['cuda']}, NCCL {d['environment'].get('nccl')}, "
@@ -62,7 +66,14 @@ def section(results: list[tuple[str, dict]]) -> str:
         sources,
     ]
     CHART.parent.mkdir(parents=True, exist_ok=True)
-    if chart(rows, CHART):
+    drawn = chart(rows, CHART)
+    if not drawn and CHART.exists():
+        print(
+            f"kept the existing {CHART.relative_to(ROOT).as_posix()} (not redrawn); install "
+            "matplotlib (pip install 'ddpgraph[plot]') to redraw it",
+            file=sys.stderr,
+        )
+    if drawn or CHART.exists():
         link = CHART.relative_to(PAGE.parent).as_posix()
         parts += ["", f"![step time relative to eager DDP]({link})"]
     return "\n".join(parts)
@@ -91,11 +102,11 @@ def _bullet(text: str) -> str:
     return textwrap.fill(text, 100, initial_indent="- ", subsequent_indent="  ")
 
 
-def headline(results: list[tuple[str, dict]]) -> str:
+def headline(results: list[tuple[str, dict]]) -> str | None:
     """The README's short table: the main modes, with what the numbers include."""
     rows = [row for name, data in results for row in table_rows(name, data)]
     if not rows:
-        return "No GPU benchmark results recorded yet."
+        return None
     modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
     lines = [
         "Median step time in ms (× eager DDP; lower is faster):",
@@ -196,7 +207,8 @@ def watchdog_section(data: dict, name: str) -> list[str]:
     ]
 
 
-def loops_section() -> str:
+def loops_section() -> str | None:
+    """The real-loops section, or None when none of its result files exist."""
     parts: list[str] = []
     renderers = {
         "varlen-h200.json": varlen_section,
@@ -207,10 +219,10 @@ def loops_section() -> str:
         path = RESULTS / name
         if path.exists():
             parts += [*render(json.loads(path.read_text()), name), ""]
-    return "\n".join(parts).rstrip() or "No loop benchmark results recorded yet."
+    return "\n".join(parts).rstrip() or None
 
 
-def hf_section() -> str:
+def hf_section() -> str | None:
     """Hugging Face models with attention masks: eager DDP against TrainStep, per model."""
     parts: list[str] = []
     for path in sorted(RESULTS.glob("hf-*.json")):
@@ -239,7 +251,7 @@ def hf_section() -> str:
             if fallbacks:
                 parts += ["", f"{model} ran eagerly: {fallbacks[0].split(' at ')[0].rstrip('.')}."]
         parts.append("")
-    return "\n".join(parts).rstrip() or "No Hugging Face results recorded yet."
+    return "\n".join(parts).rstrip() or None
 
 
 OBJECT_COLUMNS = {
@@ -249,7 +261,7 @@ OBJECT_COLUMNS = {
 }
 
 
-def objects_section() -> str:
+def objects_section() -> str | None:
     """ddpgraph's object collectives against torch's, per recorded file."""
     parts: list[str] = []
     for path in sorted(RESULTS.glob("objects-*.json")):
@@ -271,12 +283,15 @@ def objects_section() -> str:
             ]
             parts.append(f"| {result['case']} | " + " | ".join(cells) + " |")
         parts.append("")
-    return "\n".join(parts).rstrip() or "No object-collective results recorded yet."
+    return "\n".join(parts).rstrip() or None
 
 
-def _replace(text: str, start: str, end: str, body: str) -> str:
+def _replace(text: str, start: str, end: str, body: str | None) -> str:
     if start not in text or end not in text:
         raise SystemExit(f"the {start} ... {end} markers are missing; nothing was written")
+    if body is None:
+        print(f"no results for {start} ... {end}: kept that section as it was", file=sys.stderr)
+        return text
     head, rest = text.split(start, 1)
     _, tail = rest.split(end, 1)
     return f"{head}{start}\n{body}\n{end}{tail}"

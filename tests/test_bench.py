@@ -6,10 +6,13 @@ import sys
 
 import pytest
 import torch
+from click.testing import CliRunner
 from torch import nn
 
 from ddpgraph import TrainStep
+from ddpgraph.bench import CONFIGS, MODES, QUICK, choose, cpu_warnings
 from ddpgraph.bench_report import table_rows, to_markdown
+from ddpgraph.cli import cli
 
 
 @pytest.mark.timeout(240)
@@ -34,7 +37,12 @@ def test_bench_quick_writes_json_table_and_chart(tmp_path):
         timeout=230,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # a CPU run says that its ratios mean nothing, before it starts and in what it writes
+    assert "ddpgraph bench: warning: on CPU there are no CUDA graphs" in proc.stderr
+    assert "take(s) many minutes" not in proc.stderr  # the tiny config is quick
     data = json.loads(out.read_text())
+    assert "no CUDA graphs" in data["note"]
+    assert "Note: on CPU there are no CUDA graphs" in out.with_suffix(".md").read_text()
     assert data["environment"]["torch"] == torch.__version__
     assert data["environment"]["commit"]
     (config,) = data["configs"].values()
@@ -46,6 +54,38 @@ def test_bench_quick_writes_json_table_and_chart(tmp_path):
             assert mode["first_fast_step_s"] > 0
     markdown = out.with_suffix(".md").read_text()
     assert markdown.startswith("| config | eager DDP ms") and "(1.00×)" in markdown
+
+
+def test_quick_changes_only_the_defaults_config_and_mode_still_choose():
+    configs, modes = choose([], None, quick=True)
+    assert configs == [QUICK] and modes == ["eager_ddp", "train_step"]
+    configs, modes = choose(["mlp"], ["train_step_compiled"], quick=True)
+    assert configs == [CONFIGS["mlp"]] and modes == ["eager_ddp", "train_step_compiled"]
+    configs, modes = choose([], ["train_step"], quick=True)
+    assert configs == [QUICK] and modes == ["eager_ddp", "train_step"]
+    configs, modes = choose([], None, quick=False)
+    assert configs == list(CONFIGS.values()) and modes == list(MODES)
+
+
+def test_a_cpu_bench_is_warned_that_ratios_measure_nothing_and_a_full_one_is_slow():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert cpu_warnings(cuda, list(CONFIGS.values())) == []
+    (only,) = cpu_warnings(cpu, [QUICK])
+    assert "no CUDA graphs" in only and "measure only noise" in only
+    full = cpu_warnings(cpu, [CONFIGS["mlp"], CONFIGS["resnet50"]])
+    assert len(full) == 2
+    assert "MLP 8x1024 b64, ResNet-50 b32 fp32 on CPU take(s) many minutes" in full[1]
+    assert "pass --quick" in full[1]
+
+
+def test_bench_out_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = CliRunner().invoke(cli, ["bench", "--quick", "--out", str(blocker / "b.json")])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--out'" in result.output
+    assert f"{blocker} is not a writable directory" in result.output
+    assert not isinstance(result.exception, AssertionError) and "Traceback" not in result.output
 
 
 def test_report_rows_take_medians_and_within_run_ratios():

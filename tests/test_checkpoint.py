@@ -131,6 +131,81 @@ def test_a_partial_or_damaged_directory_is_never_loaded(tmp_path):
     assert not (tmp_path / ".step-00000009.partial-abc").exists()
 
 
+def _truncate_a_shard(path):
+    shard = sorted(path.glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return f"{shard} is truncated ("
+
+
+def _drop_metadata(path):
+    (path / ".metadata").unlink()
+    return f"{path / '.metadata'} (DCP's index of the saved values) is missing"
+
+
+def _garble_manifest(path):
+    (path / "ddpgraph.json").write_text('{"step": 4, "world_')
+    return f"{path / 'ddpgraph.json'} is not readable JSON ("
+
+
+@pytest.mark.parametrize("damage", [_truncate_a_shard, _drop_metadata, _garble_manifest])
+def test_a_damaged_newest_checkpoint_is_skipped_by_name_for_the_older_one(tmp_path, damage, caplog):
+    reference = workers.save_at_then_finish(str(tmp_path), at=4, total=9)
+    job = Job()
+    job.train(6)
+    job.save(tmp_path, 6)
+    reason = damage(tmp_path / "step-00000006")
+    resumed = Job(seed=7)
+    with caplog.at_level("WARNING", logger="ddpgraph"):
+        state = resumed.load(tmp_path)
+    assert state["step"] == 4 and state["path"] == tmp_path / "step-00000004"
+    assert f"skipped checkpoint {tmp_path / 'step-00000006'}: {reason}" in caplog.text
+    assert "trying the next older one" in caplog.text
+    resumed.train(5)
+    assert same(resumed.snapshot()["tensors"], reference["tensors"])  # as if never damaged
+
+
+def test_when_no_checkpoint_loads_each_is_named_with_its_reason(tmp_path):
+    job = Job()
+    job.train(1)
+    job.save(tmp_path, 1)
+    job.save(tmp_path, 2)
+    shard = _truncate_a_shard(tmp_path / "step-00000002")
+    _garble_manifest(tmp_path / "step-00000001")
+    with pytest.raises(CheckpointError) as info:
+        Job().load(tmp_path)
+    text = str(info.value)
+    assert text.startswith(f"no checkpoint in {tmp_path} loads: step-00000002: {shard}")
+    assert "; step-00000001: " in text and "ddpgraph.json is not readable JSON" in text
+    assert text.endswith("Restore the damaged files from a copy, or start without resuming.")
+
+
+def test_data_that_fails_to_load_is_skipped_too(tmp_path):
+    """Damage the size check cannot see (bytes overwritten in place) fails in DCP's read: the
+    CheckpointException it raises is a BaseException, caught all the same."""
+    job = Job()
+    job.train(2)
+    job.save(tmp_path, 2)
+    job.save(tmp_path, 3)
+    shard = sorted((tmp_path / "step-00000003").glob("*.distcp"))[0]
+    shard.write_bytes(b"\0" * shard.stat().st_size)
+    assert Job().load(tmp_path)["step"] == 2
+
+
+def test_saving_onto_a_file_or_where_nothing_can_be_written_is_a_checkpoint_error(tmp_path):
+    job = Job()
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError) as info:
+        job.save(blocker, 1)
+    assert str(info.value) == (
+        f"save_checkpoint: {blocker} is a file, not a directory; pass a directory (each "
+        f"checkpoint goes in DIRECTORY/step-00000001), e.g. {tmp_path / 'checkpoints'}."
+    )
+    # under a file: DCP's own CheckpointException is a BaseException; it arrives as an Exception
+    with pytest.raises(CheckpointError, match=r"save_checkpoint could not write .*step-00000001"):
+        job.save(blocker / "sub", 1)
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     job = Job()
     job.train(1)
@@ -249,6 +324,18 @@ def test_two_ranks_resume_exactly_each_with_its_own_rng(tmp_path, async_save):
         assert resumed[rank]["pointers_kept"] and resumed[rank]["loaded"]["step"] == 4
     assert not torch.equal(reference[0]["random"], reference[1]["random"])  # per-rank RNG
     assert same(reference[0]["tensors"][:4], reference[1]["tensors"][:4])  # DDP replicas agree
+
+
+def test_every_rank_skips_a_checkpoint_that_one_rank_finds_damaged(tmp_path):
+    directory = str(tmp_path)
+    reference = run_distributed(workers.save_at_then_finish, 2, args=(directory, 4, 9), timeout=90)
+    run_distributed(workers.save_at_then_finish, 2, args=(directory, 6, 9), timeout=90)
+    resumed = run_distributed(
+        workers.load_with_one_rank_seeing_damage, 2, args=(directory, 9, 1), timeout=90
+    )
+    for rank in (0, 1):
+        assert resumed[rank]["loaded"]["step"] == 4, rank
+        assert same(resumed[rank]["tensors"], reference[rank]["tensors"]), rank
 
 
 def test_another_world_size_is_refused(tmp_path):

@@ -149,10 +149,39 @@ def test_every_padded_tensor_is_the_input_then_pad_values_up_to_the_next_multipl
     assert out["n"].shape == (rows,)
 
 
-def test_nothing_to_pad_along_dim_returns_the_tensors():
+def test_a_dim_no_tensor_has_is_refused_naming_the_shapes():
+    # returning the batch unchanged would hide the mistake until the graphs keep re-capturing
     x, y = torch.ones(4, 7), torch.ones(4)
-    out = pad_batch((x, y), multiple=8, dim=2)  # neither has a dim 2
+    with pytest.raises(ValueError) as info:
+        pad_batch((x, y), multiple=8, dim=2)  # neither has a dim 2
+    assert str(info.value) == (
+        "pad_batch(dim=2) found no tensor with a dim 2 to pad (shapes 0: (4, 7), 1: (4,)); dim "
+        "counts from 0 and includes the batch dimension: use dim=1 (dim=1 for [batch, sequence] "
+        "tensors)."
+    )
+    # entries left unpadded on purpose are not a mistake
+    out = pad_batch((x, y), multiple=8, dim=2, values=(None, None))
     assert out[0] is x and out[1] is y
+
+
+def test_rows_not_yet_collated_are_refused_with_the_collate_fix():
+    rows = [{"input_ids": torch.ones(5)}, {"input_ids": torch.ones(3)}]
+    with pytest.raises(
+        TypeError, match=r"entries are dict\); a list of dicts is a list of samples"
+    ):
+        pad_batch(rows, multiple=8)
+    with pytest.raises(TypeError, match=r"default_collate\(samples\)"):
+        pad_batch(rows, multiple=8)
+
+
+def test_numpy_arrays_are_refused_with_the_conversion():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(
+        TypeError, match=r"entry 0 is a numpy.ndarray of shape \(2, 5\).*from_numpy"
+    ):
+        pad_batch((np.ones((2, 5)),), multiple=8)
+    with pytest.raises(TypeError, match=r"entry 'input_ids' is a numpy.ndarray"):
+        pad_batch({"input_ids": np.ones((2, 5)), "labels": torch.ones(2, 5)}, multiple=8)
 
 
 def test_pads_along_another_dim():

@@ -414,6 +414,21 @@ def test_cli_explain_reports_an_unreadable_file(tmp_path: Path, monkeypatch: pyt
     assert "secret.log" in result.output and "Permission denied" in result.output
 
 
+def test_cli_explain_refuses_a_missing_file_or_a_directory_instead_of_reading_its_name(tmp_path):
+    missing = tmp_path / "nonexistent.log"
+    for source in (str(missing), "nonexistent.log", "logs/rank0.txt"):
+        result = CliRunner().invoke(cli, ["explain", source])
+        assert result.exit_code == 2, (source, result.output)
+        assert f"Invalid value for 'SOURCE': no file {source} (looked in " in result.output
+        assert "No known explanation" not in result.output
+    result = CliRunner().invoke(cli, ["explain", f"{tmp_path}/"])
+    assert result.exit_code == 2
+    assert f"{tmp_path}/ is a directory; pass a log file in it" in result.output
+    # a message of one word is still a message
+    result = CliRunner().invoke(cli, ["explain", "ncclInvalidUsage"])
+    assert result.exit_code in (0, 1) and "Invalid value" not in result.output
+
+
 def test_cli_explain_reads_stdin_bytes_with_a_bom():
     data = "\ufeffRuntimeError: Address already in use\n".encode()
     result = CliRunner().invoke(cli, ["explain", "-"], input=data)

@@ -127,6 +127,16 @@ def test_nonexistent_script_is_named(tmp_path, monkeypatch):
     assert "script 'nope.py' does not exist" in result.output and str(tmp_path) in result.output
 
 
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_no_worker_per_node_is_a_usage_error(tmp_path, count):
+    script = tmp_path / "s.py"
+    script.write_text("print(1)\n")
+    result = CliRunner().invoke(cli, ["launch", f"--nproc-per-node={count}", str(script)])
+    assert result.exit_code == 2, result.output
+    assert f"--nproc-per-node {count}: each node needs at least 1 worker process" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
 def test_unknown_torchrun_option_is_named(tmp_path):
     script = write_script(tmp_path)
     result = CliRunner().invoke(cli, ["launch", "--nproc-per-nodes", "2", str(script)])

@@ -8,6 +8,7 @@ import pytest
 from ddpgraph.testing import WorkerError, WorkerTimeout, run_distributed
 
 from . import workers
+from .procs import run_python
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,3 +62,38 @@ def test_bad_arguments():
 
 def test_a_partial_of_a_module_level_function_is_accepted():
     assert run_distributed(functools.partial(workers.fail_on_rank, 5), 2, timeout=60) == [0, 1]
+
+
+SCRIPT = """\
+import os
+from ddpgraph.testing import run_distributed
+
+def pid():
+    return os.getpid()
+
+{call}
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_script_without_a_main_guard_is_told_once_before_any_worker_starts(tmp_path):
+    script = tmp_path / "unguarded.py"
+    script.write_text(SCRIPT.format(call="print(run_distributed(pid, 2))"))
+    proc = run_python([str(script)], timeout=50)
+    assert proc.returncode == 1
+    assert (
+        f"run_distributed is called at the top level of {script} (line 7) without "
+        '`if __name__ == "__main__":`' in proc.stderr
+    )
+    assert proc.stderr.count("ddpgraph.errors.ConfigError:") == 1  # once, from the parent
+    assert "bootstrapping phase" not in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_guarded_script_runs_its_workers(tmp_path):
+    script = tmp_path / "guarded.py"
+    guarded = 'def main():\n    print(len(run_distributed(pid, 2)))\n\nif __name__ == "__main__":\n    main()'
+    script.write_text(SCRIPT.format(call=guarded))
+    proc = run_python([str(script)], timeout=50)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "2"

@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -312,28 +313,70 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if status.stdout.strip() else "")
 
 
+CPU_NOTE = (
+    "on CPU there are no CUDA graphs: TrainStep runs eager like the baseline, so the ratios "
+    "between modes measure only noise; run on a CUDA machine for numbers that mean something"
+)
+
+
+def choose(
+    names: list[str], modes: list[str] | None, *, quick: bool
+) -> tuple[list[BenchConfig], list[str]]:
+    """The configs and modes a run measures; ``eager_ddp`` always first, as the baseline.
+
+    ``quick`` only changes the defaults (the tiny config, eager and TrainStep): configs and modes
+    asked for by name are run as asked.
+    """
+    configs = [CONFIGS[n] for n in names] if names else [QUICK] if quick else list(CONFIGS.values())
+    if not modes:
+        return configs, list(QUICK_MODES if quick else MODES)
+    return configs, ["eager_ddp", *(m for m in MODES if m in modes and m != "eager_ddp")]
+
+
+def cpu_warnings(device: torch.device, configs: list[BenchConfig]) -> list[str]:
+    """What a run on ``device`` should be told before it starts: nothing on CUDA."""
+    if device.type == "cuda":
+        return []
+    found = [f"warning: {CPU_NOTE}."]
+    slow = [c.name for c in configs if c is not QUICK and c.build is not _tiny]
+    if slow:
+        found.append(
+            f"warning: {', '.join(slow)} on CPU take(s) many minutes per repeat; pass --quick "
+            "for a smoke run (or --steps 5 --repeats 1)."
+        )
+    return found
+
+
 def run_bench(
     names: list[str],
     *,
-    modes: list[str],
+    modes: list[str] | None,
     steps: int,
     repeats: int,
     quick: bool,
     out: Path,
 ) -> dict[str, Any]:
-    """Run each config's modes ``repeats`` times, interleaved; write JSON, markdown and PNG."""
+    """Run each config's modes ``repeats`` times, interleaved; write JSON, markdown and PNG.
+
+    ``names`` empty: every config (the tiny one with ``quick``); ``modes`` None: every mode (eager
+    and TrainStep with ``quick``).
+    """
     from rich.progress import Progress
 
     rt = runtime.init()
     device = rt.device
-    configs = [QUICK] if quick else [CONFIGS[n] for n in names]
-    modes = list(QUICK_MODES) if quick else modes
+    configs, modes = choose(names, modes, quick=quick)
     results: dict[str, Any] = {
         "environment": environment(),
         "world_size": rt.world_size,
         "timing": "CUDA events between consecutive steps, one sync at the end (CPU: wall-clock)",
         "configs": {},
     }
+    if device.type != "cuda":
+        results["note"] = CPU_NOTE
+    if rt.is_main:
+        for line in cpu_warnings(device, configs):
+            print(f"ddpgraph bench: {line}", file=sys.stderr, flush=True)
     with Progress(disable=not rt.is_main) as progress:
         task = progress.add_task("bench", total=len(configs) * len(modes) * repeats)
         for cfg in configs:
@@ -373,6 +416,8 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     _write_json(results, out)
     rows = table_rows(out.name, results)
     markdown = to_markdown(rows)
+    if results.get("note"):
+        markdown += f"\n\nNote: {results['note']}."
     out.with_suffix(".md").write_text(markdown + "\n")
     chart(rows, out.with_suffix(".png"))
     print(markdown)

@@ -15,8 +15,10 @@ Layout of ``directory``::
 A save writes into a ``.partial`` directory; once every rank's data and DCP's metadata are on
 disk, rank 0 writes ``ddpgraph.json`` and renames the directory to ``step-N``: a writer killed at
 any point before that rename leaves the earlier checkpoints as they were and loadable. Loading
-takes the newest ``step-N`` that has both metadata files, and copies the values into the
-tensors the model and optimizer already hold, so CUDA graphs captured over them stay valid.
+takes the newest ``step-N`` that loads, and copies the values into the tensors the model and
+optimizer already hold, so CUDA graphs captured over them stay valid. A newest checkpoint damaged
+later (a truncated shard, a lost ``.metadata``, a garbled ``ddpgraph.json``) is skipped, by name
+and reason, for the next older one; every rank agrees on which one it loads.
 """
 
 from __future__ import annotations
@@ -139,7 +141,11 @@ class ResumableLoader:
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest committed checkpoint under ``directory`` (or ``directory`` itself), or None."""
+    """The newest committed checkpoint under ``directory`` (or ``directory`` itself), or None.
+
+    Committed: both metadata files exist. Whether it still loads is :func:`checkpoint_problem`'s
+    question; :func:`load_checkpoint` skips one that does not.
+    """
     root = Path(directory)
     if _is_committed(root):
         return root
@@ -160,6 +166,66 @@ def _committed(root: Path) -> list[tuple[int, Path]]:
 
 def _is_committed(path: Path) -> bool:
     return (path / _DCP_METADATA).is_file() and (path / MANIFEST).is_file()
+
+
+def step_dirs(directory: str | os.PathLike[str]) -> list[Path]:
+    """Every ``step-N`` directory under ``directory``, newest first, whole or damaged; or
+    ``[directory]`` when it is a checkpoint directory itself."""
+    root = Path(directory)
+    if _STEP_DIR.match(root.name) or (root / MANIFEST).exists() or (root / _DCP_METADATA).exists():
+        return [root]
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), e) for e in root.iterdir() if (m := _STEP_DIR.match(e.name))]
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """``path``'s ddpgraph.json; :class:`CheckpointError` naming the file and what is wrong."""
+    manifest = path / MANIFEST
+    try:
+        data = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{manifest} is missing") from None
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        raise CheckpointError(f"{manifest} is not readable JSON ({exc})") from None
+    if not isinstance(data, dict) or not all(
+        isinstance(data.get(key), int) for key in ("step", "world_size")
+    ):
+        raise CheckpointError(f"{manifest} lacks its integer step and world_size")
+    return data
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint ``path`` cannot load, found from its files without loading it, or None.
+
+    Reads the manifest and DCP's ``.metadata`` (small), and compares each data file's size with
+    the bytes the metadata places in it: a truncated or missing shard is found without reading it.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        read_manifest(path)
+    except CheckpointError as exc:
+        return str(exc)
+    if not (path / _DCP_METADATA).is_file():
+        return f"{path / _DCP_METADATA} (DCP's index of the saved values) is missing"
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:  # an unpickling error of any type: the file is damaged
+        return f"{path / _DCP_METADATA} is not readable ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        shard = path / name
+        if not shard.is_file():
+            return f"{shard} is missing"
+        have = shard.stat().st_size
+        if have < size:
+            return f"{shard} is truncated ({have} of its {size} bytes)"
+    return None
 
 
 def step_dir_name(step: int) -> str:
@@ -498,6 +564,11 @@ def _prepare(
     parts = _resolve(caller, train_step, model, optimizer, scheduler, loader)
     wait_for_pending_save()
     root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"{caller}: {root} is a file, not a directory; pass a directory (each checkpoint "
+            f"goes in DIRECTORY/{step_dir_name(step)}), e.g. {root.parent / 'checkpoints'}."
+        )
     rank, world_size, distributed = _group()
     partial = root / _agreed_partial_name(step, distributed)
     manifest = {
@@ -562,10 +633,17 @@ def _planner() -> DefaultSavePlanner:
 
 
 def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    with _quiet_single_process():
-        save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+    try:
+        with _quiet_single_process():
+            save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
+    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+        raise CheckpointError(
+            f"save_checkpoint could not write {partial} ({_first_cause(exc)}); check that "
+            f"{partial.parent} is a writable directory with space."
+        ) from None
 
 
 def _save_async(save: _Save) -> Future[Path]:
@@ -686,55 +764,128 @@ def load_checkpoint(
     captured TrainStep keeps replaying without re-capture. Also restores the scheduler, the
     TrainStep's counters, this rank's RNG states and the data position.
 
-    Returns ``{"step": ..., "path": ..., **extra}``. Raises :class:`CheckpointError` when there is
-    no checkpoint, or it was saved by another world size or for another model (naming the
-    mismatching keys or shapes). Non-tensor values are unpickled: load only checkpoints you trust.
-    """
-    import torch.distributed.checkpoint as dcp
+    A checkpoint damaged after its commit (a truncated or missing shard, no ``.metadata``, an
+    unreadable ``ddpgraph.json``, data that fails to load) is skipped with a warning naming it and
+    why, for the next older one; every rank loads the same one (a checkpoint any rank finds
+    damaged is skipped by all).
 
+    Returns ``{"step": ..., "path": ..., **extra}``. Raises :class:`CheckpointError` when there is
+    no checkpoint, none loads (naming each with its reason), or the one to load was saved by
+    another world size or for another model (naming the mismatching keys or shapes). Non-tensor values are unpickled: load only checkpoints you trust.
+    """
     parts = _resolve("load_checkpoint", train_step, model, optimizer, scheduler, loader)
     wait_for_pending_save()
     rank, world_size, distributed = _group()
-    path = _agreed_latest(directory, distributed)
-    manifest = json.loads((path / MANIFEST).read_text())
-    if manifest["world_size"] != world_size:
+    candidates = _agreed_candidates(directory, distributed)
+    if not candidates:
         raise CheckpointError(
-            f"{path} was saved by {manifest['world_size']} rank(s), this job has {world_size}; "
-            f"resume with {manifest['world_size']} ranks (e.g. --nproc {manifest['world_size']}): "
-            "RNG states and data positions are per rank."
+            f"no checkpoint in {directory} (looked for step-N directories with "
+            f"{MANIFEST}); save one with ddpgraph.save_checkpoint first, or start without resuming."
         )
-    state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
-    before = tensor_slots(parts.optimizer) if parts.optimizer is not None else {}
-    _raise_on_any_rank(_misfit(path, state), distributed)
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=not distributed)
-    _apply(parts, state, rank, before)
-    get_logger().info("loaded checkpoint of step %d from %s", manifest["step"], path)
-    return {**manifest.get("extra", {}), "step": int(manifest["step"]), "path": path}
+    before: dict[tuple[int, str], torch.Tensor] | None = None
+    skipped: list[str] = []
+    for path, problem in candidates:
+        if problem is None:
+            manifest = read_manifest(path)  # checked on every rank above
+            if manifest["world_size"] != world_size:
+                raise CheckpointError(
+                    f"{path} was saved by {manifest['world_size']} rank(s), this job has "
+                    f"{world_size}; resume with {manifest['world_size']} ranks (e.g. --nproc "
+                    f"{manifest['world_size']}): RNG states and data positions are per rank."
+                )
+            state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
+            if before is None:
+                before = tensor_slots(parts.optimizer) if parts.optimizer is not None else {}
+            _raise_on_any_rank(_misfit(path, state), distributed)
+            problem = _agreed(_read_into(state, path, distributed), distributed)
+        if problem is not None:
+            skipped.append(f"{path.name}: {problem}")
+            if rank == 0:  # every rank skips it alike: one report
+                get_logger().warning(
+                    "skipped checkpoint %s: %s; trying the next older one", path, problem
+                )
+            continue
+        _apply(parts, state, rank, before or {})
+        get_logger().info("loaded checkpoint of step %d from %s", manifest["step"], path)
+        return {**manifest.get("extra", {}), "step": int(manifest["step"]), "path": path}
+    raise CheckpointError(
+        f"no checkpoint in {directory} loads: "
+        + "; ".join(skipped)
+        + ". Restore the damaged files from a copy, or start without resuming."
+    )
 
 
-def _agreed_latest(directory: str | os.PathLike[str], distributed: bool) -> Path:
-    """The checkpoint every rank loads; every rank raises alike when there is none or they differ."""
-    path = latest_checkpoint(directory)
-    seen = [path]
+def _read_into(state: dict[str, Any], path: Path, distributed: bool) -> str | None:
+    """DCP's load of ``path`` into ``state``; what went wrong on this rank, or None.
+
+    DCP gathers every rank's read errors and raises them on every rank as a
+    ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+    except (Exception, CheckpointException) as exc:
+        return f"its data does not load ({_first_cause(exc)})"
+    return None
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The first underlying error of a DCP failure (it wraps each rank's), as ``Type: text``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, inner = min(failures.items(), key=lambda item: item[0])
+        inner = getattr(inner, "exc", inner)  # a _WrappedException holds the real one
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _agreed(problem: str | None, distributed: bool) -> str | None:
+    """``problem`` as every rank sees it: the first rank's that has one, or None on every rank."""
+    if not distributed:
+        return problem
+    from .objects import all_gather_object
+
+    found = [(r, p) for r, p in enumerate(all_gather_object(problem)) if p is not None]
+    return None if not found else f"{found[0][1]} (rank {found[0][0]})"
+
+
+def _agreed_candidates(
+    directory: str | os.PathLike[str], distributed: bool
+) -> list[tuple[Path, str | None]]:
+    """The step directories newest first, each with why it cannot load (None: it may), the same
+    on every rank: a directory is usable only where every rank sees it and finds nothing wrong."""
+    mine = {path.name: checkpoint_problem(path) for path in step_dirs(directory)}
+    views = [mine]
     if distributed:
         from .objects import all_gather_object
 
-        seen = [None if p is None else Path(p) for p in all_gather_object(path and str(path))]
-    if any(p is None for p in seen):
-        missing = [r for r, p in enumerate(seen) if p is None]
-        where = "" if len(seen) == 1 else f" (as seen by ranks {missing})"
-        raise CheckpointError(
-            f"no checkpoint in {directory}{where} (looked for step-N directories with "
-            f"{MANIFEST}); save one with ddpgraph.save_checkpoint first, or start without resuming."
-        )
-    if len(set(seen)) != 1:
-        raise CheckpointError(
-            f"ranks see different newest checkpoints {dict(enumerate(map(str, seen)))}; put "
-            f"{directory} on a file system every rank shares."
-        )
-    assert path is not None
-    return path
+        views = all_gather_object(mine)
+    root = Path(directory)
+    single = step_dirs(directory) == [root]
+    names = {name for view in views for name in view}
+    result = []
+    for name in sorted(names, key=_step_of, reverse=True):
+        missing = [r for r, view in enumerate(views) if name not in view]
+        problems = [(r, view[name]) for r, view in enumerate(views) if view.get(name)]
+        problem = None
+        if missing:
+            problem = (
+                f"not visible on rank(s) {missing}; put {directory} on a file system every "
+                "rank shares"
+            )
+        elif problems:
+            r, text = problems[0]
+            problem = text if len(views) == 1 else f"{text} (rank {r})"
+        result.append((root if single else root / name, problem))
+    return result
+
+
+def _step_of(name: str) -> int:
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else -1
 
 
 def _raise_on_any_rank(problem: str | None, distributed: bool) -> None:

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
+import tempfile
 import tokenize
 from pathlib import Path
 
 import click
 
 from . import __version__
+from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
+from .errors import ConfigError
 from .errors import explain as explain_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddpgraph")
-def cli() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    help=f"Show the traceback of an error, not only its message (also {DEBUG_ENV}=1).",
+)
+def cli(debug: bool) -> None:
     """Fast PyTorch data-parallel training that never fails silently."""
+    if debug:
+        request_debug()
 
 
 @cli.command()
@@ -135,7 +146,12 @@ def train(
 )
 @click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--quick", is_flag=True, help="A tiny CPU-friendly smoke run (eager and TrainStep).")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="A CPU-friendly smoke run: by default a tiny MLP, eager and TrainStep; --config and "
+    "--mode still choose.",
+)
 @click.option(
     "--varlen",
     is_flag=True,
@@ -169,6 +185,9 @@ def bench(
     out: Path,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
+    problem = _unwritable_file(out)
+    if problem:  # found now, not after the whole run has been measured
+        raise click.BadParameter(problem, param_hint="'--out'")
     if varlen and hf:
         from .bench_hf import ARCHITECTURES, run_hf
 
@@ -185,21 +204,32 @@ def bench(
 
         run_varlen(repeats=repeats, quick=quick, out=out)
         return
-    from .bench import CONFIGS, MODES, run_bench
+    from .bench import run_bench
 
-    chosen = (
-        ["eager_ddp", *(m for m in MODES if m in modes and m != "eager_ddp")]
-        if modes
-        else list(MODES)
-    )
     run_bench(
-        list(configs) or list(CONFIGS),
-        modes=chosen,
+        list(configs),
+        modes=list(modes) or None,
         steps=steps,
         repeats=repeats,
         quick=quick,
         out=out,
     )
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why ``path`` (and the files written beside it) cannot be written, or None."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return (
+            f"{path}: {folder} is not a writable directory ({exc.strerror or exc}); pick another."
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} exists and is not writable; pick another file or make it writable."
+    return None
 
 
 @cli.command()
@@ -270,14 +300,37 @@ def _read_message(source: str) -> str:
         return _decode(sys.stdin.buffer.read())
     try:
         is_file = "\n" not in source and Path(source).is_file()
+        is_dir = "\n" not in source and Path(source).is_dir()
     except OSError:  # e.g. a long message is not a valid file name
-        is_file = False
+        is_file = is_dir = False
+    if is_dir:
+        raise click.BadParameter(
+            f"{source} is a directory; pass a log file in it, or the error message itself.",
+            param_hint="'SOURCE'",
+        )
+    if not is_file and _names_a_file(source):
+        raise click.BadParameter(
+            f"no file {source} (looked in {Path.cwd()}); pass an existing log file, or the error "
+            "message itself (text with spaces, or on stdin: `... | ddpgraph explain -`).",
+            param_hint="'SOURCE'",
+        )
     if not is_file:
         return source
     try:
         return _decode(Path(source).read_bytes())
     except OSError as exc:
         raise click.FileError(source, hint=exc.strerror) from exc
+
+
+def _names_a_file(source: str) -> bool:
+    """Whether ``source`` reads as a file name rather than a message: one word with a path
+    separator or a log-like suffix (``run.log``, ``logs/err.txt``); error messages have spaces."""
+    if any(c.isspace() for c in source):
+        return False
+    return os.sep in source or "/" in source or Path(source).suffix.lower() in _LOG_SUFFIXES
+
+
+_LOG_SUFFIXES = frozenset({".log", ".txt", ".out", ".err", ".stderr", ".stdout", ".json"})
 
 
 def _decode(data: bytes) -> str:
@@ -344,7 +397,6 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
     Exit status: 0 when every worker succeeded, 1 when one failed, 2 for a usage error.
     """
-    from .errors import ConfigError
     from .launch import launch as run_launch
 
     try:
@@ -355,4 +407,13 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
 
 def main() -> None:
-    cli()
+    """The console script: a ddpgraph error is its message (exit 2 for a usage error, else 1);
+    its traceback only with --debug or DDPGRAPH_DEBUG=1."""
+    try:
+        cli()
+    except REPORTED as exc:
+        if debug_requested():
+            raise
+        click.echo(f"ddpgraph: error: {exc}", err=True)
+        click.echo(f"(rerun with --debug or {DEBUG_ENV}=1 for the traceback)", err=True)
+        raise SystemExit(2 if isinstance(exc, ConfigError) else 1) from None

@@ -45,7 +45,8 @@ def pad_batch(
     result has the same container type where it can be rebuilt (a plain ``dict`` for a mapping
     type that cannot), and holds the input tensors themselves where nothing needed padding.
     Entries that are not tensors, and tensors with ``dim`` or fewer dimensions (a per-sample
-    scalar such as a class label), pass through unchanged.
+    scalar such as a class label), pass through unchanged. A batch in which nothing could be
+    padded is refused, naming why (no tensor has a ``dim``; rows not yet collated; numpy arrays).
 
     ``values`` gives the pad value of each entry: for a mapping batch a mapping by key, for a
     tuple/list batch a sequence aligned with the positions (or a mapping by position). ``None``
@@ -80,6 +81,7 @@ def pad_batch(
             )
     entries = _entries(batch)
     pad_values = _pad_values(entries, batch, values)
+    _check_something_to_pad(entries, pad_values, dim)
     if batch_multiple is not None:
         _require_masked_rows(batch, values)
     padded = _pad_entries(entries, pad_values, dim=dim, multiple=multiple)
@@ -114,6 +116,42 @@ def _entries(batch: object) -> list[tuple[Key, Any]]:
     raise TypeError(
         f"pad_batch got a {type(batch).__name__}; pass a tuple/list of tensors or a mapping "
         "(dict, BatchEncoding), e.g. pad_batch((x,)) for a single tensor."
+    )
+
+
+def _check_something_to_pad(
+    entries: list[tuple[Key, Any]], pad_values: Mapping[Key, PadValue], dim: int
+) -> None:
+    """Refuse a batch where nothing could ever be padded: returning it unchanged would hide it.
+
+    Entries left unpadded on purpose (``values={key: None}``) do not count; numpy arrays would be
+    passed over silently, so they are named with the conversion that fixes them.
+    """
+    wanted = [(key, item) for key, item in entries if pad_values.get(key) is not None]
+    for key, item in wanted:
+        if type(item).__module__ == "numpy" and getattr(item, "ndim", 0) > dim:
+            raise TypeError(
+                f"pad_batch: entry {key!r} is a numpy.ndarray of shape {item.shape}; pad_batch "
+                "pads torch tensors only. Convert it with torch.from_numpy(...) (or collate with "
+                f"torch.utils.data.default_collate), or leave it with values={{{key!r}: None}}."
+            )
+    if not wanted or any(_pads(item, pad_values[key], dim) for key, item in wanted):
+        return
+    tensors = {key: tuple(item.shape) for key, item in wanted if isinstance(item, torch.Tensor)}
+    if tensors:
+        shapes = ", ".join(f"{key!r}: {shape}" for key, shape in tensors.items())
+        raise ValueError(
+            f"pad_batch(dim={dim}) found no tensor with a dim {dim} to pad (shapes {shapes}); "
+            f"dim counts from 0 and includes the batch dimension: use dim={max(0, dim - 1)} "
+            "(dim=1 for [batch, sequence] tensors)."
+        )
+    kinds = sorted({type(item).__name__ for _, item in wanted})
+    rows = "; a list of dicts is a list of samples: collate it first" if "dict" in kinds else ""
+    raise TypeError(
+        f"pad_batch found no tensor in the batch (its entries are {', '.join(kinds)}){rows}. "
+        "Pass a collated batch of torch tensors, e.g. "
+        "pad_batch(torch.utils.data.default_collate(samples)), or call it in the loader's "
+        "collate_fn after collating."
     )
 
 

@@ -46,19 +46,31 @@ def default_nproc() -> int:
 
 
 def run_local(
-    fn: Callable[..., Any], *args: Any, nproc: int, name: str, max_restarts: int = 0
+    fn: Callable[..., Any],
+    *args: Any,
+    nproc: int,
+    name: str,
+    max_restarts: int = 0,
+    reported_exits: Sequence[int] = (),
 ) -> dict[int, Any]:
     """``fn(*args)`` on ``nproc`` local processes, as ``torchrun --standalone`` would start them.
 
     torch's elastic agent does the process management (no home-made launcher); the result maps
     each local rank to ``fn``'s return value. A failed worker raises torch's ``ChildFailedError``
     once ``max_restarts`` restarts of all workers (torchrun's ``--max-restarts``) are used up.
+    A worker exiting with a status in ``reported_exits`` has said why itself: the agent's
+    traceback of its exit is not printed.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The agent logs every rendezvous step at INFO; the caller prints what matters.
     for logger in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logging.getLogger(logger).setLevel(logging.WARNING)
+    # ... and on Ctrl-C three warnings about closing the workers, which the caller reports itself
+    for agent_logger in map(logging.getLogger, _SHUTDOWN_LOGGERS):
+        for old in [f for f in agent_logger.filters if isinstance(f, _ShutdownNoise)]:
+            agent_logger.removeFilter(old)
+        agent_logger.addFilter(_ShutdownNoise(reported_exits))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -72,6 +84,31 @@ def run_local(
     )
     result: dict[int, Any] = elastic_launch(config, fn)(*args)
     return result
+
+
+_SHUTDOWN_LOGGERS = (
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.multiprocessing.spawn",
+)
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops the agent's "death signal, shutting down workers", "Closing process" and
+    "Terminating process" lines, and its traceback of a worker's exit with a status in
+    ``reported_exits``."""
+
+    def __init__(self, reported_exits: Sequence[int]) -> None:
+        super().__init__()
+        self.reported_exits = set(reported_exits)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        if text.startswith("failed (exitcode: ") and isinstance(record.args, tuple):
+            return not (record.args and record.args[0] in self.reported_exits)
+        return not any(
+            noise in text for noise in ("death signal", "Closing process", "Terminating process")
+        )
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -99,6 +136,7 @@ def launch(argv: Sequence[str]) -> int:
 def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     """torchrun's parsed options for ``argv``, with the worker command replaced by ours."""
     args = _parse(argv)
+    _check_nproc_per_node(args.nproc_per_node)
     if args.no_python:
         raise ConfigError(
             "ddpgraph launch cannot guard --no-python: the workers would not run Python, so "
@@ -117,6 +155,19 @@ def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     args.training_script = WORKER_MODULE
     args.training_script_args = [*target, *args.training_script_args]
     return args
+
+
+def _check_nproc_per_node(value: str) -> None:
+    """torch's agent asserts ``nproc_per_node > 0`` after the rendezvous, with no message."""
+    try:
+        count = int(value)
+    except ValueError:
+        return  # "gpu", "cpu", "auto", "xpu": torch's parser knows them and names a bad one
+    if count < 1:
+        raise ConfigError(
+            f"--nproc-per-node {value}: each node needs at least 1 worker process; pass "
+            f"--nproc-per-node 1 or more (or gpu / cpu / auto), e.g. `{USAGE_EXAMPLE}`."
+        )
 
 
 def _parse(argv: Sequence[str]) -> argparse.Namespace:

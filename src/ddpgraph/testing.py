@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError
+
 __all__ = ["WorkerError", "WorkerTimeout", "run_distributed"]
 
 # Time the other workers get to finish on their own once one has failed; most then fail too,
@@ -93,6 +95,7 @@ def run_distributed(
             f"run_distributed: fn={qualname} cannot be imported by the workers; pass a "
             "function defined at the top level of a module (not a lambda or a nested function)."
         )
+    _check_main_guard()
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     if timeout <= 0:
@@ -124,6 +127,55 @@ def run_distributed(
             {r: o.text for r, o in failed.items()},
         )
     return [_loads(outcomes[rank].value) for rank in range(world_size)]
+
+
+def _check_main_guard() -> None:
+    """Refuse a call from the unguarded top level of the script being run, before any worker.
+
+    The workers start (spawn or forkserver) by importing that script, so an unguarded call runs
+    again in each of them, and Python fails every worker with its long "bootstrapping phase"
+    error. Found from the script's own frame: its line must lie in ``if __name__ == "__main__":``.
+    """
+    import ast
+    import sys
+
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main_file:
+        return  # python -c, a REPL or a notebook: no script for the workers to import
+    frame = sys._getframe(1)
+    line = None
+    while frame is not None:  # the outermost frame of the script's top-level code
+        if frame.f_code.co_name == "<module>" and frame.f_code.co_filename == main_file:
+            line = frame.f_lineno
+        frame = frame.f_back  # type: ignore[assignment]
+    if line is None:
+        return
+    try:
+        with open(main_file, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        guarded = isinstance(node, ast.If) and _is_main_test(node.test)
+        if guarded and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    raise ConfigError(
+        f"run_distributed is called at the top level of {main_file} (line {line}) without "
+        '`if __name__ == "__main__":`; each worker starts by importing that script and would '
+        "call it again. Put the call (or the code that leads to it) under that guard."
+    )
+
+
+def _is_main_test(test: Any) -> bool:
+    import ast
+
+    return (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Eq)
+        and {ast.unparse(test.left), ast.unparse(test.comparators[0])}
+        in ({"__name__", "'__main__'"}, {"__name__", '"__main__"'})
+    )
 
 
 def _loads(payload: bytes | None) -> Any:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import torch
 
 from ddpgraph.demo.data import NUM_CLASSES, SAMPLE_SHAPES, synthetic_patterns
 from ddpgraph.demo.models import build_model
+from ddpgraph.demo.train import mode_text
 
 
 @pytest.mark.timeout(180)
@@ -19,9 +21,11 @@ def test_train_end_to_end_on_two_cpu_ranks(tmp_path):
         capture_output=True,
         text=True,
         timeout=170,
+        env={**os.environ, "COLUMNS": "200"},  # the table on one line a row
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ddpgraph train: mlp" in proc.stdout and "wrote" in proc.stdout
+    assert proc.stdout.count("eager (cpu: no CUDA graphs)") == 2, proc.stdout  # one per rank
     run = json.loads((out / "run.json").read_text())
     assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1]
     chance = 1 / NUM_CLASSES
@@ -32,6 +36,17 @@ def test_train_end_to_end_on_two_cpu_ranks(tmp_path):
         assert curve[-1] < 0.5 * curve[0], curve
         assert rank["accuracy"] > chance + 0.4, rank["accuracy"]
     assert not list(out.glob("*.tmp")), "run.json is written atomically"
+
+
+def test_the_mode_cell_says_why_a_rank_runs_eager():
+    def cell(device: str, mode: str = "eager", fallbacks: tuple[str, ...] = ()) -> str:
+        return mode_text({"device": device, "mode": mode, "fallbacks": list(fallbacks)})
+
+    assert (
+        cell("cpu", fallbacks=("the model is on cpu, not CUDA",)) == "eager (cpu: no CUDA graphs)"
+    )
+    assert cell("cuda:0", fallbacks=("capture failed",)) == "eager (fallback: see run.json)"
+    assert cell("cuda:0", "graphed") == "graphed"
 
 
 def test_bad_cli_values_are_refused():

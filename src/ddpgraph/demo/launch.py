@@ -2,41 +2,203 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..checkpoint import MANIFEST, latest_checkpoint
+from .._debug import DEBUG_ENV, debug_requested
+from ..checkpoint import (
+    CheckpointError,
+    checkpoint_problem,
+    latest_checkpoint,
+    read_manifest,
+    step_dirs,
+)
 from ..launch import default_nproc, run_local
-from .train import SAME_ON_RESUME, TRAIN_SAMPLES, TrainConfig, run_worker
+from .train import (
+    FAILED,
+    INTERRUPTED,
+    INTERRUPTED_EXIT,
+    REPORTED_EXIT,
+    SAME_ON_RESUME,
+    TRAIN_SAMPLES,
+    TrainConfig,
+    launched_worker,
+)
 
 
 def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
-    """Run :func:`run_worker` on ``nproc`` local processes (torchrun --standalone); return an exit code."""
+    """Run :func:`run_worker` on ``nproc`` local processes (torchrun --standalone); return an exit code.
+
+    0: trained (stopped at --stop-after or finished: said where, and how to continue); 2: a usage
+    error, before any worker starts or a ddpgraph error of the caller's input in the workers; 1:
+    another failure; 130: Ctrl-C (the step reached and the newest checkpoint are said).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     workers = nproc or default_nproc()
     if torch.cuda.is_available() and workers > torch.cuda.device_count():
-        print(
-            f"ddpgraph train: --nproc {workers} is more than the {torch.cuda.device_count()} "
-            f"visible GPU(s); each rank needs its own GPU. Use --nproc {torch.cuda.device_count()}.",
-            file=sys.stderr,
+        _say(
+            f"--nproc {workers} is more than the {torch.cuda.device_count()} "
+            f"visible GPU(s); each rank needs its own GPU. Use --nproc {torch.cuda.device_count()}."
         )
         return 2
     problem = _check_before_launch(config, workers)
     if problem:
-        print(f"ddpgraph train: {problem}", file=sys.stderr)
+        _say(problem)
         return 2
+    for note in _notes(config):
+        _say(f"note: {note}")
+    # what an earlier run's workers left behind is not this run's news
+    _take(config, INTERRUPTED)
+    _take_failures(config)
     try:
-        run_local(run_worker, config, nproc=workers, name="train", max_restarts=config.max_restarts)
+        run_local(
+            launched_worker,
+            config,
+            nproc=workers,
+            name="train",
+            max_restarts=config.max_restarts,
+            reported_exits=() if debug_requested() else (REPORTED_EXIT, INTERRUPTED_EXIT),
+        )
+    except (SignalException, KeyboardInterrupt) as exc:
+        if debug_requested():
+            raise
+        signum = getattr(exc, "sigval", signal.SIGINT)
+        _say(_interrupted(config, nproc, signal.Signals(signum).name))
+        return 128 + int(signum)
     except ChildFailedError as exc:
-        print(f"ddpgraph train failed:\n{exc.format_msg()}", file=sys.stderr)
-        return 1
+        return _failed(config, exc)
+    _say(_ended(config, nproc))
     return 0
+
+
+def _say(text: str) -> None:
+    print(f"ddpgraph train: {text}", file=sys.stderr, flush=True)
+
+
+def _take(config: TrainConfig, name: str) -> str | None:
+    """The text a worker left in --out under ``name`` (removed), or None."""
+    path = Path(config.out) / name
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    path.unlink(missing_ok=True)
+    return text
+
+
+def _take_failures(config: TrainConfig) -> dict[int, dict[str, Any]]:
+    found = {}
+    for path in Path(config.out).glob(FAILED.format(rank="*")):
+        rank = path.name.rsplit("rank", 1)[-1]
+        text = _take(config, path.name)
+        if text is not None and rank.isdigit():
+            with contextlib.suppress(ValueError):
+                found[int(rank)] = json.loads(text)
+    return found
+
+
+def _failed(config: TrainConfig, exc: Any) -> int:
+    """A worker failed: a ddpgraph error as its message (grouped by rank), else torch's report."""
+    reported = _take_failures(config)
+    codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    if not reported or REPORTED_EXIT not in codes.values():
+        _say(f"failed:\n{exc.format_msg()}")
+        return 1
+    by_text: dict[str, list[int]] = {}
+    for rank, failure in sorted(reported.items()):
+        by_text.setdefault(f"{failure['type']}: {failure['message']}", []).append(rank)
+    for text, ranks in by_text.items():
+        _say(f"failed on rank(s) {', '.join(map(str, ranks))}: {text}")
+    # a peer stopped by the launcher once the first rank failed, or one that died otherwise
+    others = {r: c for r, c in codes.items() if c != REPORTED_EXIT and r not in reported}
+    if others:
+        _say("also ended: " + ", ".join(f"rank {r} (exit code {c})" for r, c in others.items()))
+    print(f"(rerun with --debug or {DEBUG_ENV}=1 for the tracebacks)", file=sys.stderr)
+    return 2 if all(failure["usage"] for failure in reported.values()) else 1
+
+
+def _interrupted(config: TrainConfig, nproc: int | None, signal_name: str) -> str:
+    left = _take(config, INTERRUPTED)
+    step = None
+    with contextlib.suppress(TypeError, ValueError, KeyError):
+        step = int(json.loads(left)["step"]) if left else None
+    where = (
+        f"interrupted ({signal_name}) at step {step} of {config.steps}"
+        if step is not None
+        else f"interrupted ({signal_name}) before the first step"
+    )
+    found = latest_checkpoint(config.checkpoints) if _checkpoints_are_this_runs(config) else None
+    if found is None:
+        return (
+            f"{where}; no checkpoint saved, so a new run starts from step 0 (pass "
+            "--checkpoint-every N to be able to continue an interrupted run)."
+        )
+    saved = read_manifest(found)["step"] if checkpoint_problem(found) is None else found.name
+    return (
+        f"{where}; newest checkpoint: step {saved} ({found}); continue with --resume: "
+        f"{resume_command(config, nproc)}"
+    )
+
+
+def _checkpoints_are_this_runs(config: TrainConfig) -> bool:
+    return config.resume or config.checkpoint_every is not None or config.stop_after is not None
+
+
+def _ended(config: TrainConfig, nproc: int | None) -> str:
+    found = latest_checkpoint(config.checkpoints)
+    if config.last_step < config.steps:
+        return (
+            f"stopped at step {config.last_step} of {config.steps} (--stop-after "
+            f"{config.stop_after}); checkpoint {found}; continue with --resume: "
+            f"{resume_command(config, nproc)}"
+        )
+    if config.checkpoint_every is not None:
+        return f"finished all {config.steps} steps; final checkpoint {found}"
+    return f"finished all {config.steps} steps"
+
+
+def resume_command(config: TrainConfig, nproc: int | None) -> str:
+    """The command line that continues ``config``'s run: --resume and the options it must share."""
+    defaults = TrainConfig()
+    parts = ["ddpgraph train --resume", f"--out {config.out}"]
+    for name in SAME_ON_RESUME:
+        if getattr(config, name) != getattr(defaults, name):
+            parts.append(f"--{name.replace('_', '-')} {getattr(config, name)}")
+    if config.checkpoint_every is not None:
+        parts.append(f"--checkpoint-every {config.checkpoint_every}")
+    if nproc is not None:
+        parts.append(f"--nproc {nproc}")
+    return " ".join(parts)
+
+
+def _notes(config: TrainConfig) -> list[str]:
+    """What the run will do that its options alone do not show."""
+    notes = []
+    every = config.checkpoint_every
+    if every is not None and every >= config.last_step:
+        notes.append(
+            f"--checkpoint-every {every} is not below the {config.last_step} steps this run "
+            f"trains: the only checkpoint will be the one at the end (step {config.last_step}); "
+            "pass a smaller --checkpoint-every for checkpoints along the way."
+        )
+    found = latest_checkpoint(config.checkpoints)
+    if found is not None and not _checkpoints_are_this_runs(config):
+        notes.append(
+            f"--out {config.out} holds checkpoints of an earlier run (newest: {found.name}); this "
+            f"run neither uses nor replaces them. Pass --resume to continue that run, or delete "
+            f"{config.checkpoints} to start clean."
+        )
+    return notes
 
 
 def _check_before_launch(config: TrainConfig, workers: int) -> str | None:
@@ -68,7 +230,7 @@ def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
         )
     found = latest_checkpoint(config.checkpoints)
     if not config.resume:
-        if found is None or (config.checkpoint_every is None and config.stop_after is None):
+        if found is None or not (_checkpoints_are_this_runs(config) or config.max_restarts):
             return None
         # a restart (--max-restarts) resumes from the newest checkpoint: it must be this run's
         return (
@@ -80,11 +242,34 @@ def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
             f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
             "point --out at the directory of the run to continue."
         )
-    return _check_fits_run(config, workers, found)
+    return _check_fits_run(config, workers)
 
 
-def _check_fits_run(config: TrainConfig, workers: int, found: Path) -> str | None:
-    manifest = json.loads((found / MANIFEST).read_text())
+def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
+    """The newest checkpoint whose manifest reads must fit this run (the workers skip damaged
+    checkpoints for older ones on their own, naming each)."""
+    unreadable = []
+    for found in step_dirs(config.checkpoints):
+        try:
+            manifest = read_manifest(found)
+        except CheckpointError as exc:
+            unreadable.append(f"{found.name}: {exc}")
+            continue
+        return _check_manifest_fits(config, workers, found, manifest)
+    return (
+        f"--resume found no loadable checkpoint in {config.checkpoints}: {'; '.join(unreadable)}; "
+        "restore them from a copy, or start without --resume."
+    )
+
+
+def _check_manifest_fits(
+    config: TrainConfig, workers: int, found: Path, manifest: dict
+) -> str | None:
+    if manifest["step"] >= config.steps:
+        return (
+            f"{found} is the end of a finished run (step {manifest['step']} of --steps "
+            f"{config.steps}): there is nothing left to train. Start a new run with another --out."
+        )
     if manifest.get("world_size") != workers:
         return (
             f"{found} was saved by {manifest.get('world_size')} rank(s), this run has {workers}; "

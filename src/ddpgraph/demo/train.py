@@ -10,9 +10,12 @@ so a run resumed from step k ends bitwise identical to one that never stopped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -25,7 +28,9 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 import ddpgraph
 
+from .._debug import REPORTED, debug_requested
 from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..errors import ConfigError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
 from .models import build_model
@@ -63,8 +68,81 @@ class TrainConfig:
         return min(self.stop_after or self.steps, self.steps)
 
 
+# What a worker leaves in --out for the launcher when it stops early, read and removed there.
+INTERRUPTED = ".interrupted"  # JSON {"step": N}: the last step every rank finished, from rank 0
+FAILED = ".failed-rank{rank}"  # one ddpgraph error's message, per failing rank
+REPORTED_EXIT = 3  # a worker that wrote FAILED exits with this: the launcher prints no traceback
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+class _Interrupt:
+    """Ctrl-C in a worker: remember it, so that whatever it breaks (a peer's collective that
+    loses its partner fails with gloo's error, not KeyboardInterrupt) still counts as the stop."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self.step = 0  # the last step this rank finished
+
+    def install(self) -> None:
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+
+_interrupt = _Interrupt()
+
+
+def launched_worker(config: TrainConfig) -> dict[str, Any]:
+    """:func:`run_worker` as ``ddpgraph train``'s launcher starts it, in a process of its own.
+
+    Ctrl-C stops it at once, without a traceback (rank 0 leaves the step for the launcher); a
+    ddpgraph error is left as its message for the launcher (the traceback with --debug).
+    """
+    _interrupt.install()
+    try:
+        return run_worker(config)
+    except BaseException as exc:
+        if _interrupt.seen or isinstance(exc, KeyboardInterrupt):
+            _stop_interrupted(config)
+        if isinstance(exc, REPORTED) and not debug_requested():
+            _stop_reported(config, exc)
+        raise
+
+
+def _stop_interrupted(config: TrainConfig) -> None:
+    """Leave the step reached (rank 0) and exit now: no traceback, no shutdown that would wait
+    for peers that are stopping too (or for a store that is already gone)."""
+    if os.environ.get("RANK", "0") == "0":
+        _leave(Path(config.out) / INTERRUPTED, json.dumps({"step": _interrupt.step}))
+    _exit(INTERRUPTED_EXIT)
+
+
+def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
+    rank = os.environ.get("RANK", "0")
+    report = {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "usage": isinstance(exc, ConfigError),  # the caller's input: exit status 2
+    }
+    _leave(Path(config.out) / FAILED.format(rank=rank), json.dumps(report))
+    _exit(REPORTED_EXIT)
+
+
+def _leave(path: Path, text: str) -> None:
+    with contextlib.suppress(OSError):  # the launcher then says less, but still stops cleanly
+        path.write_text(text)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_worker(config: TrainConfig) -> dict[str, Any]:
-    """Train on this rank (launched by torch.distributed's elastic agent); return its metrics."""
+    """Train on this rank; return its metrics."""
     if torch.cuda.is_available():
         # the same seed gives the same bits, which exact resume (--resume) relies on
         torch.backends.cudnn.benchmark = False
@@ -99,12 +177,12 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
     losses = _LossLog(rt.device)
     curve: list[float] = []
     with _Progress(rt.is_main, config.steps) as progress:
-        start = _resume(config, step, batches, progress)
+        start = _interrupt.step = _resume(config, step, batches, progress)
         started = time.perf_counter()
         for i, (x, y) in zip(range(start, config.last_step), _forever(batches)):
             losses.add(step(x, y))  # already on the device (prefetch), or CPU tensors on CPU
             scheduler.step()
-            done = i + 1
+            done = _interrupt.step = i + 1
             if done % LOG_EVERY == 0 or done == config.last_step:
                 curve.append(losses.read())
                 progress(done, curve[-1], step.mode)
@@ -162,7 +240,9 @@ def _resume(
 
 def _is_save_point(config: TrainConfig, done: int) -> bool:
     if done == config.last_step:
-        return done < config.steps  # stopped early on purpose: save what --resume continues
+        # stopped early on purpose: save what --resume continues; finished with checkpoints on:
+        # save the end, so that a --resume has nothing left to train
+        return done < config.steps or config.checkpoint_every is not None
     return config.checkpoint_every is not None and done % config.checkpoint_every == 0
 
 
@@ -339,7 +419,7 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
         table.add_row(
             str(m["rank"]),
             m["device"],
-            m["mode"],
+            mode_text(m),
             "-" if m["time_to_first_replay_s"] is None else f"{m['time_to_first_replay_s']:.2f} s",
             str(m["samples_seen"]),
             f"{m['final_loss']:.4f}",
@@ -350,6 +430,15 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     console.print(table)
     path = write_run_json(Path(config.out), config, everyone)
     console.print(f"wrote {path}")
+
+
+def mode_text(metrics: dict[str, Any]) -> str:
+    """The table's mode cell: an eager rank says why (the whole reason is in run.json)."""
+    if metrics["mode"] != "eager":
+        return str(metrics["mode"])
+    if not str(metrics["device"]).startswith("cuda"):
+        return "eager (cpu: no CUDA graphs)"
+    return "eager (fallback: see run.json)" if metrics["fallbacks"] else "eager"
 
 
 def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]]) -> Path:

@@ -1,0 +1,73 @@
+"""What a fresh clone and a fresh venv get: declared extras, licence, changelog, README rendering."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _names(requirements: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", r, maxsplit=1)[0].lower() for r in requirements}
+
+
+def test_optional_features_have_extras_and_dev_pulls_what_the_tests_import():
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert "matplotlib" in _names(extras["plot"])
+    assert "transformers" in _names(extras["hf"])
+    # dev repeats the other extras, so CI runs the transformers tests and draws the chart
+    assert set(extras["plot"]) | set(extras["hf"]) <= set(extras["dev"])
+    # transformers must not pull its own torch over the CPU wheel CI installs first
+    assert "torch" not in _names(extras["hf"])
+
+
+def test_license_changelog_and_urls_ship_with_the_project():
+    project = _pyproject()["project"]
+    assert project["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text  # the full text, not a stub
+    assert "## [Unreleased]" in (ROOT / "CHANGELOG.md").read_text()
+    urls = project["urls"]
+    assert urls["Source"].startswith("https://github.com/")
+    assert {"Homepage", "Issues", "Changelog"} <= set(urls)
+
+
+@pytest.fixture
+def render(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("render", ROOT / "benchmarks" / "render.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
+    monkeypatch.setattr(module, "README", readme)
+    return module
+
+
+def test_render_without_matplotlib_keeps_the_chart_line(render, capsys):
+    before = render.README.read_text()
+    assert "![step time relative to eager DDP]" in before
+    render.chart = lambda rows, path: False  # as without matplotlib: nothing drawn
+    render.main()
+    after = render.README.read_text()
+    assert "![step time relative to eager DDP](benchmarks/results/readme-chart.png)" in after
+    assert "kept the existing benchmarks/results/readme-chart.png" in capsys.readouterr().err
+
+
+def test_render_without_results_keeps_the_sections_as_they_were(render, tmp_path, capsys):
+    before = render.README.read_text()
+    render.RESULTS = tmp_path / "no-results"
+    render.RESULTS.mkdir()
+    render.main()
+    assert render.README.read_text() == before
+    assert "kept that section as it was" in capsys.readouterr().err
