@@ -48,26 +48,32 @@ def render(tmp_path, monkeypatch):
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    readme = tmp_path / "README.md"
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    page.parent.mkdir()
     readme.write_text((ROOT / "README.md").read_text())
+    page.write_text((ROOT / "docs" / "benchmarks.md").read_text())
     monkeypatch.setattr(module, "README", readme)
+    monkeypatch.setattr(module, "PAGE", page)
     return module
 
 
-def test_render_without_matplotlib_keeps_the_chart_line(render, capsys):
-    before = render.README.read_text()
+def test_render_without_matplotlib_keeps_the_chart_line(render, capsys, monkeypatch):
+    before = render.PAGE.read_text()
     assert "![step time relative to eager DDP]" in before
+    monkeypatch.setattr(render, "CHART", render.PAGE.parent / "img" / "step-time.png")
+    render.CHART.parent.mkdir()
+    render.CHART.write_bytes((ROOT / "docs" / "img" / "step-time.png").read_bytes())
     render.chart = lambda rows, path: False  # as without matplotlib: nothing drawn
     render.main()
-    after = render.README.read_text()
-    assert "![step time relative to eager DDP](benchmarks/results/readme-chart.png)" in after
-    assert "kept the existing benchmarks/results/readme-chart.png" in capsys.readouterr().err
+    after = render.PAGE.read_text()
+    assert "![step time relative to eager DDP](img/step-time.png)" in after
+    assert "kept the existing" in capsys.readouterr().err
 
 
 def test_render_without_results_keeps_the_sections_as_they_were(render, tmp_path, capsys):
-    before = render.README.read_text()
+    before = render.README.read_text(), render.PAGE.read_text()
     render.RESULTS = tmp_path / "no-results"
     render.RESULTS.mkdir()
     render.main()
-    assert render.README.read_text() == before
+    assert (render.README.read_text(), render.PAGE.read_text()) == before
     assert "kept that section as it was" in capsys.readouterr().err
