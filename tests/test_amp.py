@@ -105,3 +105,45 @@ def test_the_loss_scale_is_saved_and_restored_in_place(tmp_path):
     scale.fill_(1.0)
     load_checkpoint(tmp_path, train_step=step)
     assert step.loss_scale is scale and float(scale) == 2.0**14
+
+
+def test_fp16_on_a_real_hf_model_matches_gradscaler_bitwise():
+    """GPT-2 (dropout 0.1, its own loss, mapping batches) through 5 overflows of a too-high
+    initial scale; the GPU twin is tests/gpu/test_amp_gpu.py."""
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=500)
+        return transformers.GPT2LMHeadModel(config)
+
+    gen = torch.Generator().manual_seed(3)
+    data = [torch.randint(500, (4, 32), generator=gen) for _ in range(30)]
+    options = {"init_scale": 2.0**24, "growth_interval": 25}
+    reference = build()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu", **options)
+    torch.manual_seed(1)
+    expected = []
+    for ids in data:
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = reference(input_ids=ids, labels=ids).loss
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        expected.append(loss.detach().float())
+    model = build()
+    step = TrainStep(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True),
+        amp="fp16",
+        grad_scaler=options,
+    )
+    torch.manual_seed(1)
+    losses = [step({"input_ids": ids, "labels": ids}).clone() for ids in data]
+    assert torch.equal(torch.stack(losses), torch.stack(expected))
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert float(step.loss_scale) == scaler.get_scale()
+    assert step.report().skipped_steps >= 3
