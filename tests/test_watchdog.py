@@ -401,3 +401,44 @@ def test_a_replay_not_complete_after_the_timeout_is_a_hang_naming_its_step(caplo
     assert any(
         "replay of step 41" in r.getMessage() for r in caplog.records if r.levelname == "ERROR"
     )
+
+
+_LATE_RANK_SCRIPT = """
+import time
+import ddpgraph as dg
+from ddpgraph.testing import run_distributed
+
+
+def work():
+    rt = dg.get_runtime()
+    if rt.rank == 1:
+        time.sleep(8)  # sleeps through the collective's timeout; rank 0 raises and exits
+    return dg.all_gather_object({"r": rt.rank}, timeout=3)
+
+
+if __name__ == "__main__":
+    try:
+        run_distributed(work, world_size=2, timeout=60)
+    except Exception as exc:
+        print("RAISED", type(exc).__name__)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_late_past_the_stores_exit_logs_the_broken_store_once(tmp_path):
+    """The watchdog stops touching a store whose host exited: torch logs every failed store
+    call with ~20 lines of C++ frames, and the heartbeat thread would fail every second."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(_LATE_RANK_SCRIPT)
+    src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=110, env=env
+    )
+    output = done.stdout + done.stderr
+    assert "RAISED WorkerError" in output
+    assert output.count("frame #0") <= 1, output

@@ -212,6 +212,9 @@ class Watchdog:
         self._declare_lock = threading.Lock()
         self._warned_since: float | None = None
         self._thread_error_logged = False
+        # the store's host (rank 0 in a plain env:// job) has exited: every later store call
+        # would fail again, and torch logs each failure with ~20 lines of C++ frames
+        self._store_gone = False
         self._stop = threading.Event()
         # A clone is the store's own way to be used from a second thread; its short timeout keeps
         # a stopped store host from stopping this thread too.
@@ -388,20 +391,26 @@ class Watchdog:
 
     def _agree(self, mine: Verdict) -> Verdict:
         """The first verdict written wins, so that every rank prints the same one."""
+        if self._store_gone:
+            return mine
         try:
             stored = self._store.compare_set(_VERDICT, "", mine.to_json())
             self._keys.add(_VERDICT)
             return Verdict.from_json(stored)
-        except Exception:  # the store is gone: this rank's own verdict is all there is
+        except Exception as exc:  # the store is gone: this rank's own verdict is all there is
+            self._note_store_failure(exc)
             return mine
 
     def _peer_verdict(self) -> bool:
         """Adopt a verdict another rank wrote (this rank may not be stuck itself)."""
+        if self._store_gone:
+            return False
         try:
             if not self._store.check([_VERDICT]):
                 return False
             agreed = Verdict.from_json(self._store.get(_VERDICT))
-        except Exception:
+        except Exception as exc:
+            self._note_store_failure(exc)
             return False
         with self._declare_lock:
             if self._verdict is None:
@@ -479,22 +488,34 @@ class Watchdog:
         )  # fmt: skip
 
     def _publish(self) -> None:
+        if self._store_gone:
+            return
         key = _beat_key(self.rank)
         try:
             self._store.set(key, self._heartbeat().to_json())
             self._keys.add(key)
-        except Exception:
-            pass  # the store is gone or slow: the next beat tries again
+        except Exception as exc:
+            self._note_store_failure(exc)  # gone: stop; slow: the next beat tries again
+
+    def _note_store_failure(self, exc: BaseException) -> None:
+        import torch.distributed as dist
+
+        network_error = getattr(dist, "DistNetworkError", ())
+        if isinstance(exc, network_error):
+            self._store_gone = True
 
     def _read_beats(self) -> dict[int, Heartbeat] | None:
         """Every rank's last heartbeat (missing ranks absent), or None if the store is gone."""
+        if self._store_gone:
+            return None
         keys = [_beat_key(r) for r in range(self.world_size)]
         try:
             if self._store.check(keys):
                 raws = dict(zip(range(self.world_size), self._store.multi_get(keys), strict=True))
             else:
                 raws = {r: self._store.get(k) for r, k in enumerate(keys) if self._store.check([k])}
-        except Exception:
+        except Exception as exc:
+            self._note_store_failure(exc)
             return None
         beats = {}
         for r, raw in raws.items():
