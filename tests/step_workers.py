@@ -236,3 +236,40 @@ def compile_fails_on_rank_1(steps: int) -> dict:
         "fallbacks": step.report().fallbacks,
         "params": [p.detach().clone() for p in model.parameters()],
     }
+
+
+def batchnorm_vs_eager_ddp(steps: int, accumulate: int) -> dict:
+    """A BatchNorm model, different data on each rank: TrainStep against the plain DDP loop
+    (whose every forward broadcasts rank 0's buffers)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = torch.distributed.get_rank()
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+    data = batches(steps, 8, seed=30 + rank)
+    model = build()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        nn.CrossEntropyLoss(),
+        accumulate=accumulate,
+    )
+    for x, y in data:
+        step(x, y)
+    reference = build()
+    ddp = DDP(reference)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in data:
+        opt.zero_grad()
+        for i, (xs, ys) in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            last = i == accumulate - 1
+            with ddp.no_sync() if not last else torch.enable_grad():
+                (nn.functional.cross_entropy(ddp(xs), ys) / accumulate).backward()
+        opt.step()
+    return {
+        "ours": {k: v.clone() for k, v in model.state_dict().items()},
+        "theirs": {k: v.clone() for k, v in reference.state_dict().items()},
+    }

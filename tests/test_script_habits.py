@@ -157,3 +157,18 @@ def test_evaluate_gives_every_rank_what_ddps_own_eval_forward_gives():
     for result in results:
         assert torch.equal(result["ours"], result["ddp"])
     assert torch.equal(results[0]["mean"], results[1]["mean"])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_batchnorm_training_on_two_ranks_matches_the_plain_ddp_loop(accumulate):
+    """Each step ends with the buffer broadcast DDP's next forward would do (which is then
+    skipped): parameters stay those of the plain DDP loop on every rank, and every rank ends
+    with rank 0's running statistics (the plain loop's rank 1 gets them at its next forward)."""
+    results = run_distributed(
+        step_workers.batchnorm_vs_eager_ddp, world_size=2, args=(5, accumulate), timeout=90
+    )
+    rank0 = results[0]["theirs"]
+    for result in results:
+        for name, value in result["theirs"].items():
+            expected = rank0[name] if "running" in name or "batches" in name else value
+            assert torch.equal(result["ours"][name], expected), name

@@ -12,23 +12,23 @@ lives, so a later capture can only reuse memory that earlier graphs use as scrat
 
 from __future__ import annotations
 
-import enum
 import gc
 import os
 import traceback
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ._batch import Batch
+from ._frames import PACKAGE_DIR
 from .errors import CaptureError, explain_exception
 from .optim import GraphSafeOptimizer, hyperparameters, restore_identities, tensor_slots
 
-__all__ = ["CapturedGraph", "Graphs", "GuardVerdict", "ReplayGuard", "first_capture_error"]
+__all__ = ["CapturedGraph", "Graphs", "GuardFindings", "ReplayGuard", "first_capture_error"]
 
 ReplayHook = Callable[[torch.cuda.Stream], None]
 
@@ -142,9 +142,9 @@ class Graphs:
             hook(stream)
         return captured.output
 
-    def check(self) -> GuardVerdict:
+    def check(self) -> GuardFindings:
         """What changed since capture, with optimizer reloads already put back in place."""
-        return GuardVerdict.OK if self.guard is None else self.guard.check()
+        return GuardFindings() if self.guard is None else self.guard.check()
 
     # ----------------------------------------------------------------- dropping
     def drop(self, kind: str) -> int:
@@ -174,19 +174,20 @@ def _is_kind(key: Hashable, kind: str) -> bool:
     return isinstance(key, tuple) and bool(key) and key[0] == kind
 
 
-class GuardVerdict(enum.Enum):
-    """What :meth:`ReplayGuard.check` found."""
+@dataclass
+class GuardFindings:
+    """What one :meth:`ReplayGuard.check` found and handled; empty when nothing changed."""
 
-    OK = "ok"
-    RECAPTURE = "recapture"  # the graphs read something that changed: capture them again
+    changes: list[str] = field(default_factory=list)
+    recapture: bool = False  # the graphs read something that changed: capture them again
 
 
 class ReplayGuard:
     """Detects what changed since capture that a replay would silently get wrong.
 
-    Runs before every replay, so it compares flat lists: data pointers of the parameters, their
-    ``requires_grad`` flags, the identity of the optimizer's state dict and the param groups'
-    plain values; a few microseconds for hundreds of tensors.
+    Runs before every replay, so it compares flat lists: data pointers and ``requires_grad``
+    flags of the parameters (one pass), the identity of the optimizer's state dict and the
+    param groups' plain values; a few microseconds for hundreds of tensors.
 
     * optimizer state replaced (``optimizer.load_state_dict``): the new values are copied into
       the tensors the graphs read (:func:`ddpgraph.optim.restore_identities`), never a new
@@ -200,12 +201,13 @@ class ReplayGuard:
     def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
         self.params = params
         self.optimizer = optimizer
-        self.changes: list[str] = []  # what check() found and handled, oldest first
-        self._pointers = [p.data_ptr() for p in self.params]
-        self._requires_grad = [p.requires_grad for p in self.params]
+        self._params_seen = self._current_params()
         self._kept = tensor_slots(self.optimizer)  # what the graphs read: never re-baselined
         self._groups = hyperparameters(self.optimizer)
         self._index_slots()
+
+    def _current_params(self) -> list[tuple[int, bool]]:
+        return [(p.data_ptr(), p.requires_grad) for p in self.params]
 
     def _index_slots(self) -> None:
         self._state = self.optimizer.state
@@ -220,38 +222,39 @@ class ReplayGuard:
     def _current_slot_pointers(self) -> list[int]:
         return [state[key].data_ptr() for state, key in self._slots]
 
-    def check(self) -> GuardVerdict:
-        if [p.data_ptr() for p in self.params] != self._pointers:
-            self._raise_for_parameter()
-        verdict = GuardVerdict.OK
-        if [p.requires_grad for p in self.params] != self._requires_grad:
-            self.changes.append("a parameter's requires_grad changed")
-            verdict = GuardVerdict.RECAPTURE
+    def check(self) -> GuardFindings:
+        found = GuardFindings()
+        params = self._current_params()
+        if params != self._params_seen:
+            if [p for p, _ in params] != [p for p, _ in self._params_seen]:
+                self._raise_for_parameter()
+            found.changes.append("a parameter's requires_grad changed")
+            found.recapture = True
         if (
             self.optimizer.state is not self._state
             or self._current_slot_pointers() != self._slot_pointers
         ):
-            verdict = self._restore_optimizer() or verdict
+            self._restore_optimizer(found)
         if hyperparameters(self.optimizer) != self._groups:
-            self.changes.append("an optimizer param-group value changed")
-            verdict = GuardVerdict.RECAPTURE
-        return verdict
+            found.changes.append("an optimizer param-group value changed")
+            found.recapture = True
+        return found
 
-    def _restore_optimizer(self) -> GuardVerdict | None:
+    def _restore_optimizer(self, found: GuardFindings) -> None:
         lost = restore_identities(self.optimizer, self._kept)
         self._index_slots()
-        if lost:
-            self.changes.append(f"the optimizer's state was replaced ({', '.join(lost[:3])} lost)")
-            return GuardVerdict.RECAPTURE
         kept = {t.data_ptr() for t in self._kept.values()}
-        if any(pointer not in kept for pointer in self._slot_pointers):
-            self.changes.append("the optimizer holds state tensors the graphs never saw")
-            return GuardVerdict.RECAPTURE
-        self.changes.append("optimizer state loaded: values copied into the captured tensors")
-        return None
+        if lost:
+            found.changes.append(f"the optimizer's state was replaced ({', '.join(lost[:3])} lost)")
+            found.recapture = True
+        elif any(pointer not in kept for pointer in self._slot_pointers):
+            found.changes.append("the optimizer holds state tensors the graphs never saw")
+            found.recapture = True
+        else:
+            found.changes.append("optimizer state loaded: values copied into the captured tensors")
 
     def _raise_for_parameter(self) -> None:
-        for i, (param, pointer) in enumerate(zip(self.params, self._pointers)):
+        for i, (param, (pointer, _)) in enumerate(zip(self.params, self._params_seen)):
             if param.data_ptr() != pointer:
                 raise CaptureError(
                     f"parameter {i} (shape {tuple(param.shape)}) was replaced since capture, so "
@@ -291,19 +294,18 @@ def first_capture_error(exc: BaseException) -> str:
 
 
 def library_frame(frames: Sequence[traceback.FrameSummary]) -> str | None:
-    """The innermost frame outside torch and ddpgraph: the line that did it (the user's, or a
-    library's such as transformers'), as ``file:line `code```."""
+    """The innermost frame of a traceback outside torch and ddpgraph: the line that did it (the
+    user's, or a library's such as transformers'), as ``file:line `code```."""
     for frame in reversed(frames):
-        if os.path.abspath(frame.filename).startswith(_SKIPPED_DIRS):
-            continue
-        return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
+        if not os.path.abspath(frame.filename).startswith(SKIPPED_DIRS):
+            return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
     return None
 
 
-# package directories by path, not by a "/torch/" substring: a virtual environment can be named
-# torch (/opt/torch/.venv/.../transformers would be skipped)
-_SKIPPED_DIRS = (
+# torch's and ddpgraph's directories by path (a virtual environment can be named torch), and
+# the warnings module, through which a sync report arrives
+SKIPPED_DIRS = (
     os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    PACKAGE_DIR,
     os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "warnings.py",
 )

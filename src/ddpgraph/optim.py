@@ -134,8 +134,9 @@ def restore_identities(optimizer: torch.optim.Optimizer, kept: TensorSlots) -> l
     ``Optimizer.load_state_dict`` (alone, or inside DCP's ``set_state_dict``) replaces the state
     tensors and deep-copies the param groups, so a graph captured before it would keep updating
     the old tensors. This copies each new value into the kept tensor and points the optimizer
-    back at it. Returns the slots it could not restore (missing, or another shape or dtype): a
-    graph that reads them has to be captured again.
+    back at it (``copy_`` converts dtype and device, e.g. a CPU step counter). Returns the slots
+    it could not restore (missing, or another shape): a graph that reads them has to be captured
+    again.
     """
     lost: list[str] = []
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -149,7 +150,7 @@ def restore_identities(optimizer: torch.optim.Optimizer, kept: TensorSlots) -> l
         if new is None or new.shape != old.shape:
             lost.append(f"parameter {index} {key!r}")
             continue
-        old.copy_(new)  # dtype/device converted by copy_ (a CPU step counter after a plain load)
+        old.copy_(new)
         optimizer.state[params[index]][key] = old
     for g, group in enumerate(optimizer.param_groups):
         lr = kept.get((-1 - g, "lr"))
@@ -163,7 +164,7 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Hashable
     """Each param group's plain values (betas, weight decay, ...) that a capture bakes in.
 
     The LR is a device tensor (read at replay) and the parameters are checked by pointer, so
-    neither is included; unhashable or tensor values are left out too.
+    neither is included; a tensor value counts by identity, an unhashable one by its repr.
     """
     return [
         {key: _frozen(value) for key, value in group.items() if key not in ("params", "lr")}

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import linecache
 import math
 import numbers
-import os
-import sys
 import time
-import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
@@ -40,9 +38,10 @@ from torch.nn.parallel import DistributedDataParallel
 from . import watchdog
 from ._amp import LossScaler, amp_dtype, check_scaler_options, skips_on_device
 from ._batch import Batch, Signature, describe, differences, make_batch
-from ._graphs import CapturedGraph, CaptureFailure, Graphs, GuardVerdict, library_frame
+from ._frames import PACKAGE_DIR, frame_outside, in_directories
+from ._graphs import SKIPPED_DIRS, CapturedGraph, CaptureFailure, Graphs
 from ._log import get_logger
-from .errors import CaptureError, ConfigError, DeviceConflictError
+from .errors import CaptureError, ConfigError, DeviceConflictError, first_line
 from .facts import DDP_STATS_SAMPLE_RATE, DEFAULT_WARMUP, ddp_count_allows_capture
 from .optim import (
     GraphSafeOptimizer,
@@ -318,6 +317,7 @@ class TrainStep:
         self._submodules = list(model.modules())  # their modes key the graphs
         self._ddp_kwargs = dict(ddp_kwargs or {})
         self._ddp_sample_rate = DDP_STATS_SAMPLE_RATE
+        self._sync_buffers = False  # DDP broadcasts rank 0's buffers (set when wrapping)
         self._compile_pending = bool(compile)  # compiled, but not yet past its first forward
         self.model = self._wrap(_compiled(model, compile) if compile else model)
         self._sync_forwards = 0  # DDP forwards that advanced its iteration counter
@@ -334,7 +334,7 @@ class TrainStep:
         self._zeroed = False  # accumulate_calls: gradients zeroed before the first group
         self._phase = Phase.WARMUP
         plan, reason = self._make_optimizer_graph_safe()
-        self._graphs = self._new_graphs(plan)
+        self._graphs = self._new_graphs(plan, reason)
         if self._graphs is not None and self._stream is not None:
             self._graphs.register_replay_hook(self._watch_replay)
         if reason is not None:
@@ -596,11 +596,9 @@ class TrainStep:
     def _apply_guard(self) -> None:
         """Before a replay: what the script changed is put back in place or re-captured."""
         assert self._graphs is not None
-        before = len(self._graphs.guard.changes) if self._graphs.guard is not None else 0
-        verdict = self._graphs.check()
-        guard = self._graphs.guard
-        news = guard.changes[before:] if guard is not None else []
-        if verdict is GuardVerdict.RECAPTURE:
+        found = self._graphs.check()
+        news = found.changes
+        if found.recapture:
             self._make_graph_safe_again()
             self._graphs.params = _trainable(self.model)
             for param in self._frozen_params():
@@ -767,23 +765,16 @@ class TrainStep:
         """Run the compiled module's first forward (it compiles); why it failed, or None."""
         from torch._dynamo.exc import TorchDynamoException
 
-        compiled = (
-            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        )
         first = batch.split(self.options.accumulate)[0]
         saved = [b.detach().clone() for b in self._module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=devices), self._autocast():
-                if first.kind == "mapping":
-                    compiled(**first.as_mapping())
-                elif self.loss_fn is None:
-                    compiled(*first.tensors)
-                else:
-                    compiled(*first.tensors[:-1])
+                self._forward(self._inner(), first)
         except TorchDynamoException as exc:
             root = exc.__cause__ or getattr(exc, "inner_exception", None)  # a backend's own error
-            return _first_line(exc) + (f" ({_first_line(root)})" if root is not None else "")
+            cause = f" ({first_line(root, with_type=True)})" if root is not None else ""
+            return first_line(exc, with_type=True) + cause
         finally:
             with torch.no_grad():
                 for buffer, value in zip(self._module.buffers(), saved):
@@ -813,7 +804,10 @@ class TrainStep:
         micros = batch.split(self.options.accumulate)
         for i, micro in enumerate(micros):
             sync = role == "train" and i == len(micros) - 1
-            with self._no_sync_unless(sync), self._autocast():
+            # the previous step ended with the buffer broadcast (DDP's init synced the first):
+            # DDP's own at this forward would send the same values again
+            fresh = i == 0 and calls == 1
+            with self._no_sync_unless(sync), self._ddp_buffer_sync(not fresh), self._autocast():
                 loss, output = self._loss(micro)
             _check_scalar_loss(loss)
             backward = loss / k
@@ -860,26 +854,43 @@ class TrainStep:
         return self._scaler.scale_tensor if self._scaler is not None else None
 
     def _loss(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        output = self._forward(self.model, batch)
+        if self.loss_fn is None:
+            return model_loss(output), output
+        target = batch.as_mapping() if batch.kind == "mapping" else batch.tensors[-1]
+        return self.loss_fn(output, target), output
+
+    def _forward(self, model: nn.Module, batch: Batch, *, target: bool = True) -> Any:
+        """``model`` called as the batch says: ``model(**batch)``, ``model(*inputs)``, or with a
+        ``loss_fn`` and ``target``, every tensor but the last (the target)."""
         if batch.kind == "mapping":
-            inputs = batch.as_mapping()
-            output = self.model(**inputs)
-            loss = model_loss(output) if self.loss_fn is None else self.loss_fn(output, inputs)
-        elif self.loss_fn is None:
-            output = self.model(*batch.tensors)
-            loss = model_loss(output)
-        else:
-            output = self.model(*batch.tensors[:-1])
-            loss = self.loss_fn(output, batch.tensors[-1])
-        return loss, output
+            return model(**batch.as_mapping())
+        if target and self.loss_fn is not None:
+            return model(*batch.tensors[:-1])
+        return model(*batch.tensors)
+
+    def _inner(self) -> nn.Module:
+        """The module inside DDP (compiled, if it is): a forward with no DDP bookkeeping."""
+        return self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
 
     def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers to every rank, as DDP's next forward would: evaluate() then sees
-        what DDP's own eval forward sees, with no collective of its own."""
-        ddp = self.model
-        if not isinstance(ddp, DistributedDataParallel) or not ddp.will_sync_module_buffers():
+        """Rank 0's buffers to every rank, moved from DDP's next forward to the end of this step:
+        evaluate() then sees what DDP's own eval forward sees, with no collective of its own."""
+        if self._sync_buffers and isinstance(self.model, DistributedDataParallel):
+            with torch.no_grad():
+                self.model._sync_module_buffers(authoritative_rank=0)
+
+    @contextlib.contextmanager
+    def _ddp_buffer_sync(self, on: bool) -> Iterator[None]:
+        """DDP's start-of-forward buffer broadcast on or off for one forward."""
+        if on or not self._sync_buffers or not isinstance(self.model, DistributedDataParallel):
+            yield
             return
-        with torch.no_grad():
-            ddp._sync_module_buffers(authoritative_rank=0)
+        self.model.broadcast_buffers = False
+        try:
+            yield
+        finally:
+            self.model.broadcast_buffers = True
 
     # -------------------------------------------------------------- evaluation
     def _evaluate(self, batch: Batch) -> Any:
@@ -919,13 +930,8 @@ class TrainStep:
     def _forward_eval(self, batch: Batch) -> Any:
         # the module inside DDP: evaluation needs no gradient sync, and DDP's forward would
         # count an iteration and broadcast buffers (done at the end of each step instead)
-        module = (
-            self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        )
         with torch.no_grad(), self._autocast():
-            if batch.kind == "mapping":
-                return module(**batch.as_mapping())
-            return module(*batch.tensors)
+            return self._forward(self._inner(), batch, target=False)
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -950,6 +956,7 @@ class TrainStep:
         with self._on_side_stream():
             ddp = DistributedDataParallel(model, **kwargs)
         self._ddp_sample_rate = _stop_ddp_sampling(ddp)
+        self._sync_buffers = ddp.will_sync_module_buffers()  # each step ends with it
         return ddp
 
     def _planned_warmup(self) -> int:
@@ -962,16 +969,13 @@ class TrainStep:
     def _count_allows_capture(self, sync_forwards: int) -> bool:
         return ddp_count_allows_capture(sync_forwards, self._ddp_sample_rate)
 
-    def _new_graphs(self, plan: GraphSafeOptimizer | None) -> Graphs | None:
-        if (
-            _ENGINE is not None
-            and self._stream is None
-            and self.options.graph != "never"
-            and graph_safety_problem(self.optimizer) is None
-        ):
-            return _ENGINE(_trainable(self.model), self.optimizer)
-        if plan is None or self._stream is None:
+    def _new_graphs(self, plan: GraphSafeOptimizer | None, reason: str | None) -> Graphs | None:
+        """The real graphs, the CPU stand-in (tests, when no reason speaks against it), or None."""
+        if reason is not None:
             return None
+        if plan is None or self._stream is None:
+            assert _ENGINE is not None  # _make_optimizer_graph_safe gives no reason only then
+            return _ENGINE(_trainable(self.model), self.optimizer)
         return Graphs(self._stream, _trainable(self.model), plan)
 
     def _make_optimizer_graph_safe(self) -> tuple[GraphSafeOptimizer | None, str | None]:
@@ -1129,14 +1133,7 @@ def _kind_of(output: Any) -> str:
 
 def _warn_at_user_line(message: str) -> None:
     """Warn with the location of the user's call into ddpgraph, not a line of step.py."""
-    package = os.path.dirname(os.path.abspath(__file__))
-    frame = sys._getframe(1)
-    level = 2  # 1 is this function
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        package
-    ):
-        frame = frame.f_back
-        level += 1
+    _, level = frame_outside(in_directories(PACKAGE_DIR))
     warnings.warn(message, stacklevel=level)
 
 
@@ -1178,11 +1175,6 @@ def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
     # whole step). DDP goes around the compiled module: torch.compile(DDP(m)) compiles nothing.
     kwargs = dict(options) if isinstance(options, Mapping) else {}
     return torch.compile(model, **kwargs)  # type: ignore[return-value]
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 def _check_scalar_loss(loss: object) -> None:
@@ -1306,4 +1298,6 @@ def _record_host_syncs(fn: Callable[[], Any]) -> _SyncReport:
 def _user_frame() -> str:
     """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
     a library's such as transformers')."""
-    return library_frame(traceback.extract_stack()) or "an unknown line"
+    frame, _ = frame_outside(in_directories(*SKIPPED_DIRS))
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} `{line}`"
