@@ -13,6 +13,7 @@ PUBLIC = {
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
+    "DeviceData",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",

@@ -14,6 +14,7 @@ from .checkpoint import (
     save_checkpoint_async,
 )
 from .data import pad_batch, prefetch
+from .device_data import DeviceData
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -36,6 +37,7 @@ __all__ = [
     "CollectiveTimeout",
     "ConfigError",
     "DeviceConflictError",
+    "DeviceData",
     "DistributedStateError",
     "Explanation",
     "ObjectCollectiveError",

@@ -3,17 +3,19 @@
 ``step(x, y)`` is a positional batch (entries named "0", "1", ...); ``step(batch)`` with one
 mapping (a dict, an HF ``BatchEncoding``) is a keyword batch passed as ``model(**batch)``. Both
 flatten to the same shape so static buffers, guards and accumulation treat them alike.
+``step(data)`` with a :class:`~ddpgraph.DeviceData` is a "data" batch: no tensors to copy in (the
+step gathers its batches on the device), its signature the gathered shapes and the step count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
 
-Kind = Literal["args", "mapping"]
+Kind = Literal["args", "mapping", "data"]
 Leaf = tuple[torch.Size, torch.dtype, torch.device]
 Signature = tuple[Kind, tuple[str, ...], tuple[Leaf, ...]]
 
@@ -23,13 +25,17 @@ class Batch:
     kind: Kind
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
+    source: Any = None  # "data": the DeviceData the step gathers from
+    steps: int = 1  # "data": training steps in this call
 
     @property
     def signature(self) -> Signature:
+        if self.source is not None:
+            return ("data", (f"{self.steps} steps", *self.names), self.source.batch_shapes)
         return (self.kind, self.names, tuple((t.shape, t.dtype, t.device) for t in self.tensors))
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> Batch:
-        return Batch(self.kind, self.names, tuple(tensors))
+        return replace(self, tensors=tuple(tensors))
 
     def as_mapping(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.tensors))
@@ -48,6 +54,16 @@ class Batch:
             )
         chunks = [t.chunk(k) for t in self.tensors]
         return [self.with_tensors([c[i] for c in chunks]) for i in range(k)]
+
+
+def data_batch(data: Any, steps: int) -> Batch:
+    """``steps`` training steps whose batches the step gathers from ``data`` (a DeviceData)."""
+    return Batch("data", data_names(data), (), source=data, steps=steps)
+
+
+def data_names(data: Any) -> tuple[str, ...]:
+    """A DeviceData's gathered batch is positional: ``step(x, y)``'s names."""
+    return tuple(str(i) for i in range(len(data.tensors)))
 
 
 def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
@@ -78,6 +94,8 @@ def _require_tensor(value: object, what: str) -> None:
 def describe(signature: Signature) -> str:
     kind, names, leaves = signature
     parts = [f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in leaves]
+    if kind == "data":
+        return f"{names[0]} of DeviceData batches " + ", ".join(parts)
     if kind == "mapping":
         parts = [f"{name}: {part}" for name, part in zip(names, parts)]
     return ", ".join(parts)

@@ -65,7 +65,7 @@ class FakeGraphs(Graphs):
         captured = self._graphs[key]
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
-        return self._bodies[key](Batch(batch.kind, batch.names, captured.static_inputs))
+        return self._bodies[key](batch.with_tensors(captured.static_inputs))
 
     def drop(self, kind: str) -> int:
         dropped = super().drop(kind)

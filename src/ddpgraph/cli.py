@@ -86,6 +86,21 @@ def cli(debug: bool) -> None:
     help="Restart all workers up to K times when one fails (torchrun's option); they resume "
     "from the newest checkpoint.",
 )
+@click.option(
+    "--data",
+    type=click.Choice(["auto", "device", "loader"]),
+    default="auto",
+    show_default=True,
+    help="Where batches come from: the data set on the device, gathered inside the graph "
+    "(device), a DataLoader through prefetch (loader), or device when it fits (auto).",
+)
+@click.option(
+    "--steps-per-replay",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="With the data on the device: training steps per graph replay.",
+)
 def train(
     model: str,
     steps: int,
@@ -99,6 +114,8 @@ def train(
     resume: bool,
     stop_after: int | None,
     max_restarts: int,
+    data: str,
+    steps_per_replay: int,
 ) -> None:
     """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
     from .demo.launch import launch_training
@@ -116,6 +133,8 @@ def train(
         resume=resume,
         stop_after=stop_after,
         max_restarts=max_restarts,
+        data=data,
+        steps_per_replay=steps_per_replay,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
 

@@ -37,10 +37,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import watchdog
 from ._amp import LossScaler, amp_dtype, check_scaler_options, skips_on_device
-from ._batch import Batch, Signature, describe, differences, make_batch
+from ._batch import Batch, Signature, data_batch, data_names, describe, differences, make_batch
 from ._frames import PACKAGE_DIR, frame_outside, in_directories
 from ._graphs import SKIPPED_DIRS, CapturedGraph, CaptureFailure, Graphs
 from ._log import get_logger
+from ._schedule import StepwiseLR
+from .device_data import DeviceData
 from .errors import CaptureError, ConfigError, DeviceConflictError, first_line
 from .facts import DDP_STATS_SAMPLE_RATE, DEFAULT_WARMUP, ddp_count_allows_capture
 from .optim import (
@@ -71,11 +73,23 @@ class StepOptions:
     channels_last: bool = False
     grad_scaler: Mapping[str, float] | None = None
     accumulate_calls: int = 1
+    steps_per_replay: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.accumulate_calls) or self.accumulate_calls < 1:
             raise ConfigError(
                 f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."
+            )
+        if not _is_int(self.steps_per_replay) or self.steps_per_replay < 1:
+            raise ConfigError(
+                f"steps_per_replay={self.steps_per_replay!r} must be an integer >= 1 (e.g. 8: "
+                "eight training steps per graph replay, fed by a ddpgraph.DeviceData)."
+            )
+        if self.steps_per_replay > 1 and self.accumulate_calls > 1:
+            raise ConfigError(
+                f"steps_per_replay={self.steps_per_replay} and accumulate_calls="
+                f"{self.accumulate_calls}: a multi-step replay takes whole steps from a "
+                "DeviceData; accumulate within each step with accumulate=k instead."
             )
         if self.accumulate_calls > 1 and self.accumulate != 1:
             raise ConfigError(
@@ -171,6 +185,7 @@ class StepReport:
     fallbacks: list[str] = field(default_factory=list)
     optimizer_changes: list[str] = field(default_factory=list)
     recaptures: list[str] = field(default_factory=list)  # why training graphs were re-captured
+    steps_per_replay: int = 1  # training steps in one replay (step(data) with steps_per_replay)
     skipped_steps: int | None = None  # fp16: optimizer steps skipped for inf/NaN gradients
     time_to_first_replay: float | None = None  # seconds from construction to the first replay
 
@@ -179,6 +194,8 @@ class StepReport:
             f"mode={self.mode} steps={self.steps} eager={self.eager_steps} "
             f"replays={self.replays} warm-up={self.warmup_steps}"
         ]
+        if self.steps_per_replay > 1:
+            lines[0] += f" steps/replay={self.steps_per_replay}"
         if self.evaluations:
             lines[0] += f" evaluations={self.evaluations} (replayed {self.eval_replays})"
         if self.skipped_steps is not None:
@@ -207,6 +224,13 @@ class TrainStep:
             scripts call it (nanoGPT's ``logits, loss = model(X, Y)`` becomes ``step(X, Y)``).
         ``step(batch)`` with one mapping (dict, HF ``BatchEncoding``): ``model(**batch)``; with a
             ``loss_fn`` the loss is ``loss_fn(output, batch)``.
+        ``step(data)`` with a :class:`~ddpgraph.DeviceData`: ``steps_per_replay`` whole training
+            steps, each on the next batch gathered on the device inside the step (no host work
+            per batch); returns their losses as one tensor of that length. The TrainStep then
+            steps its ``scheduler=`` once per training step (each step of a replay gets its own
+            LR): the loop must not call ``scheduler.step()``. ``step(data, steps=n)`` runs
+            ``n <= steps_per_replay`` steps (a run's last few; a count without a graph of its own
+            runs eagerly).
         With ``loss_fn=None`` the loss is the output itself when it is a scalar tensor,
         ``output.loss``, ``output["loss"]``, or the one 0-dim floating tensor of a tuple or list
         output (``(logits, loss)``); anything else is a ``ValueError`` naming what was found.
@@ -256,7 +280,13 @@ class TrainStep:
             capture is not one it times.
         ddp_kwargs: extra ``DistributedDataParallel`` arguments (``gradient_as_bucket_view=True``
             is the default: it made graphed steps 2-7% faster).
-        scheduler: an LR scheduler to include in :meth:`state_dict`.
+        scheduler: an LR scheduler to include in :meth:`state_dict`; with ``step(data)`` also
+            stepped by the TrainStep, once per training step (ReduceLROnPlateau excepted: the
+            script steps it on its metric).
+        steps_per_replay: training steps per call of ``step(data)`` (a :class:`DeviceData`),
+            captured as one graph on CUDA: K forwards, backwards with their all-reduces, and
+            optimizer updates per replay, bitwise equal to K calls of one step. Checkpoints and
+            :meth:`evaluate` come between calls, so at multiples of K steps.
 
     With a process group the model is wrapped in DDP (``step.model``); without one, it is used
     as is. Pass the bare module, not a DDP: on CUDA the wrapping must happen on the capture stream.
@@ -283,6 +313,7 @@ class TrainStep:
         channels_last: bool = False,
         grad_scaler: Mapping[str, float] | None = None,
         accumulate_calls: int = 1,
+        steps_per_replay: int = 1,
     ) -> None:
         self.options = StepOptions(
             graph,
@@ -295,6 +326,7 @@ class TrainStep:
             channels_last,
             grad_scaler,
             accumulate_calls,
+            steps_per_replay,
         )
         _check_model(model)
         _check_optimizer(optimizer, model)
@@ -323,7 +355,7 @@ class TrainStep:
         self._sync_forwards = 0  # DDP forwards that advanced its iteration counter
         self._start = time.perf_counter()
         self._warmup = self._planned_warmup()
-        self._report = StepReport(mode="eager")
+        self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
         self._eval_calls: Counter[Hashable] = Counter()
         self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
         self._reference: Signature | None = None  # the signature on_new_shape compares against
@@ -332,6 +364,8 @@ class TrainStep:
         self.output: Any = None
         self._call_in_group = 0  # accumulate_calls: micro-batches taken since the last update
         self._zeroed = False  # accumulate_calls: gradients zeroed before the first group
+        self._call_steps = 1  # training steps in the current call (step(data): up to K)
+        self._stepwise: StepwiseLR | None = None  # step(data): the scheduler, stepped per step
         self._phase = Phase.WARMUP
         plan, reason = self._make_optimizer_graph_safe()
         self._graphs = self._new_graphs(plan, reason)
@@ -359,14 +393,82 @@ class TrainStep:
             self._report.skipped_steps = int(self._scaler.skipped.item())
         return self._report
 
-    def __call__(self, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, steps: int | None = None) -> torch.Tensor:
         self._check_open("step()")
+        if len(args) == 1 and isinstance(args[0], DeviceData):
+            return self._run_data(args[0], self._steps_for(args[0], steps))
+        self._check_batch_call(args, steps)
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
+        self._call_steps = 1
         self._report.steps += 1
         self._check_shape_policy(batch.signature)
         loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
         self._call_in_group = (self._call_in_group + 1) % self.options.accumulate_calls
         return loss
+
+    def _run_data(self, data: DeviceData, steps: int) -> torch.Tensor:
+        """``steps`` training steps on batches gathered from ``data`` on the device."""
+        batch = data_batch(data, steps)
+        self._call_steps = steps
+        self._report.steps += steps
+        self._check_shape_policy(batch.signature)
+        stepwise = self._stepwise_lr()
+        stepwise.prepare(steps)
+        try:
+            losses: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
+        finally:
+            stepwise.finish()
+        data.advance(steps)
+        return losses
+
+    def _steps_for(self, data: DeviceData, steps: int | None) -> int:
+        """Check a ``step(data)`` call; the number of training steps it runs."""
+        k = self.options.steps_per_replay
+        if self.options.accumulate_calls > 1:
+            raise ConfigError(
+                "step(data) runs whole training steps, but accumulate_calls="
+                f"{self.options.accumulate_calls} takes one micro-batch per call; use accumulate=k."
+            )
+        if data.device != self.device:
+            raise ConfigError(
+                f"the DeviceData is on {data.device} but the model is on {self.device}; build it "
+                "with DeviceData(..., device=runtime.device)."
+            )
+        n = k if steps is None else steps
+        if not _is_int(n) or not 1 <= n <= k:
+            raise ConfigError(
+                f"step(data, steps={steps!r}): steps must be an integer from 1 to "
+                f"steps_per_replay={k}."
+            )
+        if n > len(data):
+            raise ConfigError(
+                f"step(data) runs {n} steps per call but the DeviceData has {len(data)} batches "
+                f"per epoch on this rank; use steps_per_replay <= {len(data)} or a smaller "
+                "batch_size."
+            )
+        return n
+
+    def _check_batch_call(self, args: tuple[Any, ...], steps: int | None) -> None:
+        if steps is not None:
+            raise ConfigError(
+                f"step(..., steps={steps!r}) takes a ddpgraph.DeviceData as its one argument; "
+                "a batch of tensors is one training step."
+            )
+        if self.options.steps_per_replay > 1:
+            raise ConfigError(
+                f"TrainStep(steps_per_replay={self.options.steps_per_replay}) replays several "
+                "steps on batches it gathers itself: call step(data) with a ddpgraph.DeviceData "
+                "(DeviceData(x, y, batch_size=...)), or leave steps_per_replay at 1 for step(x, y)."
+            )
+
+    def _stepwise_lr(self) -> StepwiseLR:
+        if self._stepwise is None:
+            plan = self._graphs.plan if self._graphs is not None else None
+            lr_tensors = getattr(plan, "lr_tensors", None)
+            self._stepwise = StepwiseLR(
+                self.optimizer, self.scheduler, lr_tensors, self.options.steps_per_replay
+            )
+        return self._stepwise
 
     def evaluate(self, *args: Any) -> Any:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
@@ -442,6 +544,8 @@ class TrainStep:
             self._make_graph_safe_again()
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
+        if self._stepwise is not None:
+            self._stepwise.sync_epoch()
         if self._scaler is not None and "scaler" in state:
             self._scaler.load_state_dict(state["scaler"])
         self._report.steps = int(state.get("steps", self._report.steps))
@@ -460,7 +564,7 @@ class TrainStep:
     def _warmup_done(self) -> bool:
         """Warm-up counts optimizer steps; with accumulate_calls it ends at a group's start."""
         calls = self._warmup * self.options.accumulate_calls
-        return self._report.eager_steps >= calls and self._call_in_group == 0
+        return self._report.eager_steps >= calls and self._call_in_group == 0 and self._ddp_ready()
 
     def _role(self) -> str:
         """ "micro" for a call that only accumulates (accumulate_calls), "train" for one that
@@ -589,9 +693,11 @@ class TrainStep:
         return key[2] in self._signatures or self.options.on_new_shape == "capture"
 
     def _ddp_ready(self) -> bool:
+        """Whether DDP allows capturing this call's forwards (one per training step)."""
         if not isinstance(self.model, DistributedDataParallel):
             return True
-        return self._count_allows_capture(self._sync_forwards)
+        first = self._sync_forwards
+        return all(self._count_allows_capture(n) for n in range(first, first + self._call_steps))
 
     def _apply_guard(self) -> None:
         """Before a replay: what the script changed is put back in place or re-captured."""
@@ -633,7 +739,7 @@ class TrainStep:
         device_batch = batch.with_tensors(self._to_device_all(batch))
         result = self._graphs.capture(key, device_batch, lambda b: self._captured_body(b, role))
         if role == "train":
-            self._sync_forwards += 1  # DDP's host code ran once during capture
+            self._sync_forwards += self._call_steps  # DDP's host code ran once per step
         return result
 
     def _captured_body(self, batch: Batch, role: str) -> tuple[torch.Tensor, Any]:
@@ -703,14 +809,16 @@ class TrainStep:
         return cast(torch.Tensor, loss)
 
     def _eager(self, batch: Batch) -> torch.Tensor:
-        self._report.eager_steps += 1
+        n = self._call_steps
+        self._report.eager_steps += n
         warming_up = self._phase is Phase.WARMUP
         if warming_up:
-            self._report.warmup_steps += 1
+            self._report.warmup_steps += n
         role = self._role()
+        last_warmup = self._warmup * self.options.accumulate_calls
         check_syncs = (
             warming_up
-            and self._report.eager_steps == self._warmup * self.options.accumulate_calls
+            and self._report.eager_steps - n < last_warmup <= self._report.eager_steps
             and self.device.type == "cuda"
         )
         with self._on_side_stream():
@@ -727,8 +835,8 @@ class TrainStep:
             else:
                 loss, output = self._body(batch, role)
         if role == "train":
-            self._sync_forwards += 1
-        self._eager_before_capture = max(0, self._eager_before_capture - 1)
+            self._sync_forwards += n
+        self._eager_before_capture = max(0, self._eager_before_capture - n)
         self.output = _detached(output)
         return loss
 
@@ -765,6 +873,8 @@ class TrainStep:
         """Run the compiled module's first forward (it compiles); why it failed, or None."""
         from torch._dynamo.exc import TorchDynamoException
 
+        if batch.source is not None:  # step(data): the batch it would gather first
+            batch = Batch("args", batch.names, batch.source.peek())
         first = batch.split(self.options.accumulate)[0]
         saved = [b.detach().clone() for b in self._module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
@@ -791,6 +901,8 @@ class TrainStep:
         for the next group. Runs eagerly or under capture; it must not touch the LR (a fill_
         captured here would reset the LR on every replay), so callers sync the LR tensors first.
         """
+        if batch.source is not None:
+            return self._steps_from(batch.source, batch.steps)
         calls = self.options.accumulate_calls
         # set_to_none=False while graphs are possible: a graph reads and writes the same .grad
         # tensors on every replay
@@ -822,6 +934,18 @@ class TrainStep:
         if calls > 1:
             self.optimizer.zero_grad(set_to_none=set_to_none)  # for the next group
         return total, output
+
+    def _steps_from(self, data: DeviceData, steps: int) -> tuple[torch.Tensor, Any]:
+        """``steps`` whole training steps, each on the next batch gathered from ``data`` on the
+        device with its own LR; their losses as one tensor, and the last step's output."""
+        assert self._stepwise is not None
+        losses: list[torch.Tensor] = []
+        output: Any = None
+        for j in range(steps):
+            self._stepwise.apply(j)
+            loss, output = self._body(Batch("args", data_names(data), data.next_batch()))
+            losses.append(loss)
+        return torch.stack(losses), output
 
     def _clip_and_step(self) -> None:
         """Clip (on unscaled gradients) and step; with fp16, skip an overflowed step on the

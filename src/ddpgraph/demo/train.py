@@ -1,7 +1,10 @@
 """The worker side of ``ddpgraph train``: one rank's training loop, metrics and report.
 
-The loop only ever calls ``step(x, y)``: TrainStep decides whether that is an eager step, a
-warm-up step, a capture or a replay, so the same loop runs on CPU ranks and on graphed GPUs.
+The loop only ever calls the TrainStep: it decides whether that is an eager step, a warm-up step,
+a capture or a replay, so the same loop runs on CPU ranks and on graphed GPUs. The data set lives
+on the device when it fits (it does for every built-in model): ``step(data)`` then gathers the
+batches inside the graph and replays ``--steps-per-replay`` steps at once, with no host work
+per step; otherwise a DataLoader feeds ``step(x, y)`` through ``prefetch``.
 
 Checkpoints (``--checkpoint-every``) hold everything the loop's future depends on (model,
 optimizer, scheduler, RNG states, data position), and the data is a pure function of the seed,
@@ -30,6 +33,7 @@ import ddpgraph
 
 from .._debug import REPORTED, debug_requested
 from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..device_data import DeviceData, fits_on_device
 from ..errors import ConfigError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
@@ -57,6 +61,8 @@ class TrainConfig:
     resume: bool = False
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps
     max_restarts: int = 0
+    data: str = "auto"  # "device" (DeviceData), "loader" (DataLoader + prefetch), "auto"
+    steps_per_replay: int = 8  # with device data: training steps per graph replay
 
     @property
     def checkpoints(self) -> Path:
@@ -164,26 +170,27 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
     model = build_model(config.model).to(rt.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.steps)
+    feed = _Feed(config, rt)
     step = TrainStep(
         model,
         optimizer,
         nn.CrossEntropyLoss(),
         scheduler=scheduler,
         channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
+        steps_per_replay=feed.steps_per_call,
     )
-    loader = _loader(config, rt, split="train")
-    # prefetch inside, so that the loader counts what the step consumed, not what was copied ahead
-    batches = ResumableLoader(ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader))
     losses = _LossLog(rt.device)
     curve: list[float] = []
     with _Progress(rt.is_main, config.steps) as progress:
-        start = _interrupt.step = _resume(config, step, batches, progress)
+        progress.note(feed.description)
+        start = _interrupt.step = _resume(config, step, feed.state, progress)
         started = time.perf_counter()
-        for i, (x, y) in zip(range(start, config.last_step), _forever(batches)):
-            losses.add(step(x, y))  # already on the device (prefetch), or CPU tensors on CPU
-            scheduler.step()
-            done = _interrupt.step = i + 1
-            if done % LOG_EVERY == 0 or done == config.last_step:
+        done = start
+        while done < config.last_step:
+            n = min(feed.steps_per_call, _next_stop(config, done) - done)
+            losses.add(feed.run(step, scheduler, n))
+            done = _interrupt.step = done + n
+            if done // LOG_EVERY > (done - n) // LOG_EVERY or done == config.last_step:
                 curve.append(losses.read())
                 progress(done, curve[-1], step.mode)
             if _is_save_point(config, done):
@@ -192,7 +199,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
                     config.checkpoints,
                     step=done,
                     train_step=step,
-                    loader=batches,
+                    loader=feed.state,
                     keep_last=KEEP_LAST,
                     config=asdict(config),
                 )
@@ -214,13 +221,76 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         "steps_per_s": trained / seconds if trained else 0.0,
         "time_to_first_replay_s": report.time_to_first_replay,
         "fallbacks": report.fallbacks,
+        "data": feed.kind,
+        "steps_per_replay": feed.steps_per_call,
         "params_sha256": parameter_hash(model),
     }
 
 
-def _resume(
-    config: TrainConfig, step: TrainStep, batches: ResumableLoader, progress: _Progress
-) -> int:
+class _Feed:
+    """Where the training batches come from: a DeviceData (``step(data)``, K steps per call,
+    the TrainStep steps the scheduler) or a DataLoader through prefetch (``step(x, y)``)."""
+
+    def __init__(self, config: TrainConfig, rt: ddpgraph.Runtime) -> None:
+        data = _dataset(config, split="train")
+        nbytes = sum(t.numel() * t.element_size() for t in data.tensors)
+        wanted = config.data
+        if wanted == "auto":
+            wanted = "device" if fits_on_device(nbytes, rt.device) else "loader"
+        self.kind = wanted
+        self.data: DeviceData | None = None
+        self.batches: ResumableLoader | None = None
+        self._iterator: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if wanted == "device":
+            self.data = DeviceData(
+                *data.tensors, batch_size=config.batch_size, shuffle=True, seed=config.seed
+            )
+            self.steps_per_call = min(config.steps_per_replay, len(self.data))
+            self.description = (
+                f"data: on {rt.device} ({len(data)} samples, {nbytes / 2**20:.1f} MiB on each rank), "
+                f"batches gathered inside the step, {self.steps_per_call} steps per call"
+            )
+        else:
+            loader = _loader(config, rt, split="train")
+            # prefetch inside: the loader counts what the step consumed, not what was copied ahead
+            self.batches = ResumableLoader(
+                ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader)
+            )
+            self.steps_per_call = 1
+            why = "--data loader" if config.data == "loader" else "it does not fit on the device"
+            self.description = (
+                f"data: DataLoader + prefetch ({why}; {len(data)} samples, "
+                f"{nbytes / 2**20:.1f} MiB), one step per call"
+            )
+
+    @property
+    def state(self) -> Any:
+        """What checkpoints hold for the data position."""
+        return self.data if self.data is not None else self.batches
+
+    def run(self, step: TrainStep, scheduler: Any, n: int) -> torch.Tensor:
+        """``n`` training steps; their losses (graph-owned)."""
+        if self.data is not None:
+            return step(self.data, steps=n)  # steps the scheduler once per training step
+        assert self.batches is not None and n == 1
+        if self._iterator is None:
+            self._iterator = _forever(self.batches)
+        x, y = next(self._iterator)
+        loss = step(x, y)  # already on the device (prefetch), or CPU tensors on CPU
+        scheduler.step()
+        return loss
+
+
+def _next_stop(config: TrainConfig, done: int) -> int:
+    """The next step a call must end at: a checkpoint or the end of this invocation."""
+    stop = config.last_step
+    every = config.checkpoint_every
+    if every is not None:
+        stop = min(stop, (done // every + 1) * every)
+    return stop
+
+
+def _resume(config: TrainConfig, step: TrainStep, batches: Any, progress: _Progress) -> int:
     """The step to start from: the newest checkpoint's with --resume or after a restart, else 0.
 
     torch's elastic agent restarts every worker of a job whose rank died (``--max-restarts``)
@@ -259,11 +329,15 @@ def parameter_hash(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoader:
+def _dataset(config: TrainConfig, *, split: str) -> TensorDataset:
     size = TRAIN_SAMPLES if split == "train" else EVAL_SAMPLES
-    data: TensorDataset = synthetic_patterns(
+    return synthetic_patterns(
         SAMPLE_SHAPES[config.model], num_samples=size, seed=config.seed, split=split
     )
+
+
+def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoader:
+    data = _dataset(config, split=split)
     sampler: DistributedSampler[Any] = DistributedSampler(
         data,
         num_replicas=rt.world_size,
@@ -315,8 +389,9 @@ class _LossLog:
         self._last = float("nan")
 
     def add(self, loss: torch.Tensor) -> None:
-        self._sum += loss.detach()  # the graph overwrites `loss` next step: fold it in now
-        self._count += 1
+        """One step's loss, or a call's losses (step(data): one per step)."""
+        self._sum += loss.detach().sum()  # the graph overwrites `loss` next call: fold it in now
+        self._count += loss.numel()
 
     def read(self) -> float:
         if self._count:

@@ -1,0 +1,149 @@
+"""The LR of each of the next K training steps, for a call that runs K steps (``step(data)``).
+
+An LR scheduler is host code: inside one replay of K steps it cannot run between them. So before
+the call the scheduler is stepped K times on the host, with plain floats in the param groups
+(Python arithmetic: no kernel and no host sync, unlike a scheduler computing with the device LR
+tensor), the K values are copied to the device once, and step j of the graph copies its value
+into the optimizer's LR tensor before its update. The values are those an eager loop
+``step(); scheduler.step()`` would use, so K steps per replay train as K calls of one step do.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ["StepwiseLR"]
+
+
+class StepwiseLR:
+    """Steps ``scheduler`` once per training step of a multi-step call; the graph reads the LRs.
+
+    ``lr_tensors`` are the optimizer's device LR tensors (graphs possible) or None (eager, or the
+    CPU stand-in engine): then step j sets the param groups' float LR on the host, which an eager
+    body and the stand-in's re-run body both see.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        lr_tensors: list[torch.Tensor] | None,
+        max_steps: int,
+    ) -> None:
+        self.optimizer = optimizer
+        self.scheduler = _stepped_per_step(scheduler)
+        self._lr_tensors = lr_tensors
+        self._values: list[list[float]] = []  # [step][group]
+        self._table: torch.Tensor | None = None  # [step, group] on the device, read by graphs
+        if lr_tensors:
+            shape = (max_steps, len(lr_tensors))
+            self._table = torch.zeros(shape, dtype=torch.float32, device=lr_tensors[0].device)
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._last_epoch = self.scheduler.last_epoch if self.scheduler is not None else None
+
+    def prepare(self, steps: int) -> None:
+        """Step the scheduler ``steps`` times and stage the LR of each step (one copy)."""
+        if self.scheduler is None:
+            return
+        self._check_not_stepped_outside()
+        groups = self.optimizer.param_groups
+        held = [group["lr"] for group in groups]
+        for group, lr in zip(groups, self.scheduler.get_last_lr()):
+            group["lr"] = _as_float(lr)
+        self._floats_in_scheduler()
+        values: list[list[float]] = []
+        with warnings.catch_warnings():
+            # stepped ahead of the optimizer on purpose: torch warns on the first call
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            for _ in range(steps):
+                values.append([float(group["lr"]) for group in groups])
+                self.scheduler.step()
+        if self._lr_tensors is not None:
+            for group, lr in zip(groups, held):
+                group["lr"] = lr  # the tensor the graphs read
+            self._stage(values)
+        self._values = values
+        self._last_epoch = self.scheduler.last_epoch
+
+    def apply(self, step: int) -> None:
+        """Step ``step``'s LR where the optimizer reads it (captured: a device copy)."""
+        if self.scheduler is None:
+            return
+        if self._lr_tensors is None:
+            for group, value in zip(self.optimizer.param_groups, self._values[step]):
+                group["lr"] = value
+            return
+        assert self._table is not None
+        for g, lr in enumerate(self._lr_tensors):
+            lr.copy_(self._table[step, g])
+
+    def finish(self) -> None:
+        """After the call, the groups hold the scheduler's latest LR, as after an eager loop."""
+        if self.scheduler is None or self._lr_tensors is not None:
+            return
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = _as_float(lr)
+
+    def sync_epoch(self) -> None:
+        """Accept the scheduler's count as it is now (after a checkpoint was loaded into it)."""
+        if self.scheduler is not None:
+            self._last_epoch = self.scheduler.last_epoch
+
+    # ------------------------------------------------------------- internals
+    def _check_not_stepped_outside(self) -> None:
+        if self.scheduler.last_epoch == self._last_epoch:
+            return
+        raise ConfigError(
+            f"the LR scheduler was stepped outside the TrainStep (last_epoch "
+            f"{self._last_epoch} -> {self.scheduler.last_epoch}): with step(data) the TrainStep "
+            "steps its scheduler= once per training step itself, so each of the steps in a "
+            "replay gets its own LR; remove scheduler.step() from the loop."
+        )
+
+    def _floats_in_scheduler(self) -> None:
+        # base LRs captured as tensors (a scheduler built after TrainStep made the LR a tensor)
+        # would turn every computed LR into a tensor, and each float() into a host sync
+        base = getattr(self.scheduler, "base_lrs", None)
+        if base is not None and any(isinstance(b, torch.Tensor) for b in base):
+            self.scheduler.base_lrs = [_as_float(b) for b in base]
+
+    def _stage(self, values: list[list[float]]) -> None:
+        assert self._table is not None
+        host = torch.tensor(values, dtype=torch.float32)
+        rows = self._table[: host.shape[0]]
+        if rows.device.type != "cuda":
+            rows.copy_(host)
+            return
+        if self._pending is not None:
+            self._pending[1].synchronize()  # the previous call's copy (done long ago)
+        pinned = host.pin_memory()
+        rows.copy_(pinned, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (pinned, event)
+
+
+def _stepped_per_step(scheduler: Any) -> Any:
+    """The scheduler TrainStep steps once per training step, or None.
+
+    ReduceLROnPlateau steps on a metric the script computes (``scheduler.step(val_loss)`` after
+    evaluating), so the script keeps stepping it; its LR holds for every step of a call.
+    """
+    if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        return None
+    if not hasattr(scheduler, "get_last_lr") or not hasattr(scheduler, "last_epoch"):
+        raise ConfigError(
+            f"scheduler={type(scheduler).__name__} is not a torch.optim.lr_scheduler.LRScheduler "
+            "(it needs step(), get_last_lr() and last_epoch), so step(data) cannot step it per "
+            "training step; use one of torch's schedulers or leave it out of scheduler=."
+        )
+    return scheduler
+
+
+def _as_float(value: Any) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)

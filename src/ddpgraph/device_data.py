@@ -1,0 +1,304 @@
+"""``DeviceData``: a data set held on the device, its batches gathered inside the captured step.
+
+A 0.14 ms graphed step leaves no room for host work per batch: a DataLoader, ``prefetch`` or even
+a gather indexed from Python each step costs as much as the step (benchmarks/loader.py). When
+the data set fits in device memory (small models, RL policies, CIFAR-scale runs), a
+``DeviceData`` keeps it there, computes each epoch's order once per epoch, and lets
+``TrainStep`` gather each batch inside the step (``step(data)``): the batch index is a device
+tensor that the step advances, so a replay needs no host work besides the launch, and
+``TrainStep(steps_per_replay=K)`` puts K whole steps in one replay.
+
+The order is exactly ``BatchSampler(DistributedSampler(range(n), num_replicas, rank,
+shuffle=shuffle, seed=seed, drop_last=True), batch_size, drop_last=True)`` with
+``set_epoch(epoch)``: the same batches a DataLoader run sees, so the two compare.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from .errors import ConfigError
+
+__all__ = ["DeviceData", "fits_on_device"]
+
+# The share of the device's free memory a data set may take before ``fits_on_device`` says no:
+# the model, its gradients, optimizer state and activations need the rest.
+FIT_FRACTION = 0.25
+
+
+class DeviceData:
+    """Tensors of one data set on one device, read in shuffled, rank-sharded batches.
+
+    ``DeviceData(x, y, batch_size=64)`` copies each tensor to ``device`` once (default: the
+    device ``ddpgraph.init()`` bound this rank to, else the first tensor's); every tensor is
+    indexed along dim 0, so all must have the same length. ``num_replicas``/``rank`` default to
+    the process group's. Each epoch has ``len(data)`` batches per rank, in the order
+    ``BatchSampler(DistributedSampler(..., seed=seed, drop_last=True), batch_size,
+    drop_last=True)`` gives for that epoch (:meth:`indices`).
+
+    Use it as ``losses = step(data)``: the :class:`~ddpgraph.TrainStep` gathers the next batch
+    (or ``steps_per_replay`` batches) on the device, inside its graph, and returns one loss per
+    step. Iterating (``for x, y in data``) yields the rest of the current epoch's batches for
+    loops that call ``step(x, y)`` or evaluate; each batch is gathered by the host then.
+
+    :meth:`state_dict` / :meth:`load_state_dict` hold the epoch and the position in it; pass the
+    object as ``loader=`` to :func:`~ddpgraph.save_checkpoint` for exact resume. Every rank
+    builds its own ``DeviceData`` and calls the step the same number of times.
+    """
+
+    def __init__(
+        self,
+        *tensors: torch.Tensor,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ) -> None:
+        _check_tensors(tensors)
+        _check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=64")
+        _check_int("seed", seed, minimum=None, fix="e.g. seed=0")
+        if not isinstance(shuffle, bool):
+            raise ConfigError(f"shuffle={shuffle!r} must be True or False.")
+        replicas, rank = _replicas_and_rank(num_replicas, rank)
+        self.device = _device(device, tensors)
+        self.tensors = tuple(t.to(self.device) for t in tensors)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.num_replicas = replicas
+        self.rank = rank
+        self._sampler: DistributedSampler[int] = DistributedSampler(
+            range(len(tensors[0])),  # type: ignore[arg-type]
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
+        )
+        self.batches_per_epoch = self._sampler.num_samples // batch_size
+        if self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"DeviceData holds {len(tensors[0])} samples, {self._sampler.num_samples} per "
+                f"rank over {replicas} rank(s): not one batch of batch_size={batch_size}; use a "
+                f"batch_size <= {max(self._sampler.num_samples, 1)} or more data."
+            )
+        self.epoch = 0
+        self.position = 0  # batches of `epoch` consumed
+        # two epochs' orders, so that K steps of one replay may run past an epoch's end
+        self._order = torch.empty(
+            (2 * self.batches_per_epoch, batch_size), dtype=torch.long, device=self.device
+        )
+        self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # row in _order
+        self._orders: dict[int, torch.Tensor] = {}  # each epoch's order, computed once
+        self._upload = _Upload(self.device)
+        self._load_window()
+
+    # ------------------------------------------------------------------ facts
+    def __len__(self) -> int:
+        """Batches per epoch on this rank."""
+        return self.batches_per_epoch
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.tensors[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the data set takes (the orders besides: two epochs of int64 indices)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    @property
+    def batch_shapes(self) -> tuple[tuple[torch.Size, torch.dtype, torch.device], ...]:
+        """Each gathered tensor's shape, dtype and device: what a step's graph is captured for."""
+        return tuple(
+            (torch.Size((self.batch_size, *t.shape[1:])), t.dtype, t.device) for t in self.tensors
+        )
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.tensors
+        )
+        return (
+            f"DeviceData({shapes} on {self.device}, batch_size={self.batch_size}, "
+            f"{len(self)} batches per epoch on rank {self.rank} of {self.num_replicas}, "
+            f"epoch {self.epoch} batch {self.position})"
+        )
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's sample indices of ``epoch``, one row per batch (CPU, int64): what
+        ``BatchSampler(DistributedSampler(...))`` yields after ``set_epoch(epoch)``."""
+        self._sampler.set_epoch(epoch)
+        order = torch.tensor(list(self._sampler), dtype=torch.long)
+        usable = self.batches_per_epoch * self.batch_size
+        return order[:usable].view(self.batches_per_epoch, self.batch_size)
+
+    # ------------------------------------------------------------- gathering
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """Gather the batch at the device cursor and advance the cursor, all on the device.
+
+        Runs inside TrainStep's step (eager or captured), so it must not touch the host; the
+        host's count moves with :meth:`advance`, once the call that consumed the batches is over.
+        """
+        rows = self._order.index_select(0, self._cursor).view(-1)
+        self._cursor.add_(1)
+        return tuple(t.index_select(0, rows) for t in self.tensors)
+
+    def peek(self) -> tuple[torch.Tensor, ...]:
+        """The batch :meth:`next_batch` would gather, without advancing (compiling a model)."""
+        rows = self._order.index_select(0, self._cursor).view(-1)
+        return tuple(t.index_select(0, rows) for t in self.tensors)
+
+    def advance(self, batches: int) -> None:
+        """The host's count after ``batches`` were gathered on the device (by :meth:`next_batch`).
+
+        Past an epoch's end the window moves on one epoch (the next order is copied once per
+        epoch) and the device cursor is set to the position in the new epoch.
+        """
+        self.position += batches
+        if self.position < self.batches_per_epoch:
+            return
+        self.epoch += self.position // self.batches_per_epoch
+        self.position %= self.batches_per_epoch
+        self._load_window()
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The rest of the current epoch, one gathered batch at a time (host-driven)."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            batch = self.next_batch()
+            self.advance(1)
+            yield batch
+
+    # ------------------------------------------------------------- resuming
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "batches": self.position,
+            "num_samples": self.num_samples,
+            "batch_size": self.batch_size,
+            "num_replicas": self.num_replicas,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at the saved epoch and batch; refuses a state of another data set or split."""
+        ours = self.state_dict()
+        differ = [
+            f"{key}={state[key]!r} (here {ours[key]!r})"
+            for key in ("num_samples", "batch_size", "num_replicas", "seed", "shuffle")
+            if key in state and state[key] != ours[key]
+        ]
+        if differ:
+            raise ConfigError(
+                "this DeviceData state was saved for other data or another split: "
+                f"{', '.join(differ)}; resume with the data, batch size, seed and world size "
+                "the run was started with."
+            )
+        position = int(state["batches"])
+        if not 0 <= position < self.batches_per_epoch:
+            raise ConfigError(
+                f"DeviceData state says batch {position} of an epoch of "
+                f"{self.batches_per_epoch}; it belongs to another data set."
+            )
+        self.epoch, self.position = int(state["epoch"]), position
+        self._load_window()
+
+    # ------------------------------------------------------------- internals
+    def _load_window(self) -> None:
+        """Put this epoch's and the next one's orders on the device and the cursor at position."""
+        window = (self.epoch, self.epoch + 1)
+        self._orders = {
+            e: self._orders[e] if e in self._orders else self.indices(e) for e in window
+        }
+        self._upload.copy(self._order, torch.cat([self._orders[e] for e in window]))
+        self._cursor.fill_(self.position)
+
+
+class _Upload:
+    """Host-to-device copies that do not stall the stream: from pinned memory, kept alive (and
+    not reused) until the copy has run, as ``prefetch`` does."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        if self._device.type != "cuda":
+            target.copy_(source)
+            return
+        if self._pending is not None:
+            self._pending[1].synchronize()  # the previous epoch's copy: long finished
+        pinned = source.pin_memory()
+        target.copy_(pinned, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending = (pinned, event)
+
+
+def fits_on_device(nbytes: int, device: torch.device, fraction: float = FIT_FRACTION) -> bool:
+    """Whether a data set of ``nbytes`` may live on ``device``: at most ``fraction`` of the
+    free memory on CUDA; on CPU it is already in memory."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return nbytes <= fraction * free
+
+
+# ---------------------------------------------------------------- checks
+def _check_tensors(tensors: tuple[Any, ...]) -> None:
+    if not tensors:
+        raise ConfigError(
+            "DeviceData needs at least one tensor, e.g. DeviceData(x, y, batch_size=64)."
+        )
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(
+                f"DeviceData's tensor {i} is a {type(t).__name__}; pass tensors (for a "
+                "TensorDataset: DeviceData(*dataset.tensors, batch_size=...))."
+            )
+        if t.dim() == 0:
+            raise ConfigError(f"DeviceData's tensor {i} is 0-dim; samples are indexed on dim 0.")
+    lengths = [len(t) for t in tensors]
+    if len(set(lengths)) != 1:
+        raise ConfigError(
+            f"DeviceData's tensors have different lengths along dim 0: {lengths}; every tensor "
+            "holds one entry per sample."
+        )
+
+
+def _check_int(name: str, value: object, *, minimum: int | None, fix: str) -> None:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if not ok or (minimum is not None and value < minimum):  # type: ignore[operator]
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ConfigError(f"{name}={value!r} must be an integer{bound}; {fix}.")
+
+
+def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    grouped = dist.is_available() and dist.is_initialized()
+    replicas = (
+        num_replicas if num_replicas is not None else (dist.get_world_size() if grouped else 1)
+    )
+    rank = rank if rank is not None else (dist.get_rank() if grouped else 0)
+    _check_int("num_replicas", replicas, minimum=1, fix="the number of ranks")
+    _check_int("rank", rank, minimum=0, fix="this process's rank")
+    if rank >= replicas:
+        raise ConfigError(f"rank={rank} must be below num_replicas={replicas}.")
+    return replicas, rank
+
+
+def _device(device: torch.device | str | None, tensors: tuple[torch.Tensor, ...]) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    from .runtime import get_runtime
+
+    rt = get_runtime()
+    return rt.device if rt is not None else tensors[0].device

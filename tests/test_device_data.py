@@ -1,0 +1,235 @@
+"""DeviceData (the data set on the device, gathered inside the step) and steps_per_replay."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
+
+from ddpgraph import ConfigError, DeviceData, TrainStep
+from ddpgraph._fake_graphs import fake_graphs
+from ddpgraph.testing import run_distributed
+
+from . import device_data_workers as workers
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _sampler_batches(n, replicas, rank, batch, shuffle, seed, epoch):
+    data = TensorDataset(torch.arange(n))
+    sampler = DistributedSampler(
+        data, num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+    )
+    sampler.set_epoch(epoch)
+    return [list(b) for b in BatchSampler(sampler, batch, drop_last=True)]
+
+
+# ------------------------------------------------------------------- the order
+@pytest.mark.parametrize(
+    ("n", "replicas", "batch", "shuffle", "seed"),
+    [
+        (103, 1, 8, True, 0),
+        (103, 2, 8, True, 5),
+        (100, 3, 7, True, 1),
+        (64, 2, 4, False, 0),
+        (17, 4, 2, True, 9),
+    ],
+)
+def test_each_epoch_is_the_distributed_samplers_batches(n, replicas, batch, shuffle, seed):
+    for rank in range(replicas):
+        data = DeviceData(
+            torch.arange(n),
+            batch_size=batch,
+            shuffle=shuffle,
+            seed=seed,
+            num_replicas=replicas,
+            rank=rank,
+        )
+        for epoch in range(3):
+            expected = _sampler_batches(n, replicas, rank, batch, shuffle, seed, epoch)
+            assert data.indices(epoch).tolist() == expected
+            assert len(data) == len(expected)
+
+
+def test_iterating_yields_what_a_dataloader_yields_epoch_after_epoch():
+    x, y = torch.randn(50, 3), torch.arange(50)
+    data = DeviceData(x, y, batch_size=6, seed=2, num_replicas=2, rank=1)
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, seed=2, drop_last=True)
+    loader = DataLoader(dataset, sampler=BatchSampler(sampler, 6, drop_last=True), batch_size=None)
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        ours = list(data)
+        theirs = list(loader)
+        assert len(ours) == len(theirs) == len(data)
+        for (a, b), (c, d) in zip(ours, theirs):
+            assert torch.equal(a, c) and torch.equal(b, d)
+    assert (data.epoch, data.position) == (3, 0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_k_gathers_per_call_run_across_epoch_ends_in_order(k):
+    """As TrainStep uses it: k device gathers, then the host counts k (the window moves on)."""
+    data = DeviceData(torch.arange(40), batch_size=4, seed=1)  # 10 batches an epoch
+    expected = torch.cat([data.indices(e).view(-1) for e in range(5)])
+    seen = []
+    for _ in range(40 // k):
+        seen += [data.next_batch()[0] for _ in range(k)]
+        data.advance(k)
+    assert torch.equal(torch.cat(seen), expected[: len(seen) * 4])
+
+
+def test_state_dict_resumes_at_the_same_batch_and_refuses_another_data_set():
+    data = DeviceData(torch.arange(40), batch_size=4, seed=1)
+    for _ in range(13):
+        data.next_batch()
+    data.advance(13)
+    state = data.state_dict()
+    assert (state["epoch"], state["batches"]) == (1, 3)
+    follow = [data.next_batch()[0] for _ in range(9)]
+    again = DeviceData(torch.arange(40), batch_size=4, seed=1)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, again.next_batch()[0]) for a in follow)
+    other = DeviceData(torch.arange(40), batch_size=5, seed=1)
+    with pytest.raises(ConfigError, match=r"batch_size=4 \(here 5\)"):
+        other.load_state_dict(state)
+    with pytest.raises(ConfigError, match="batch 99 of an epoch of 10"):
+        again.load_state_dict({**state, "batches": 99})
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((), {"batch_size": 4}, "at least one tensor"),
+        (([1, 2, 3],), {"batch_size": 1}, "tensor 0 is a list"),
+        ((torch.zeros(5), torch.zeros(6)), {"batch_size": 1}, r"lengths along dim 0: \[5, 6\]"),
+        ((torch.tensor(1.0),), {"batch_size": 1}, "0-dim"),
+        ((torch.zeros(5),), {"batch_size": 0}, "batch_size=0 must be an integer >= 1"),
+        ((torch.zeros(5),), {"batch_size": True}, "batch_size=True"),
+        ((torch.zeros(5),), {"batch_size": 8}, r"5 samples, 5 per rank .* batch_size <= 5"),
+        ((torch.zeros(10),), {"batch_size": 4, "num_replicas": 4}, r"2 per rank over 4 rank"),
+        ((torch.zeros(5),), {"batch_size": 1, "rank": 2, "num_replicas": 2}, "rank=2 must be"),
+        ((torch.zeros(5),), {"batch_size": 1, "shuffle": "yes"}, "shuffle='yes'"),
+    ],
+)
+def test_bad_device_data_is_refused(args, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        DeviceData(*args, **kwargs)
+
+
+# -------------------------------------------------------------- TrainStep(data)
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake-graphs"])
+@pytest.mark.parametrize("k", [1, 4, 5])
+def test_k_steps_per_call_equal_one_step_calls_and_the_plain_loop(k, fake):
+    total = 42  # 12 batches an epoch: calls cross epoch ends; the last call is shorter
+    result = workers.k_vs_one_vs_plain(k, total, fake)
+    ours, one, plain = result["k"], result["one"], result["plain"]
+    assert torch.equal(ours["losses"], plain["losses"])
+    assert torch.equal(one["losses"], plain["losses"])
+    for a, b, c in zip(ours["params"], one["params"], plain["params"]):
+        assert torch.equal(a, c) and torch.equal(b, c)
+    assert ours["epoch"] == (3, 6) and ours["steps"] == total
+    assert ours["lr"] == one["lr"]
+    if fake:
+        assert ours["mode"] == "graphed" and ours["replays"] >= (total - 16) // k - 1
+
+
+def test_two_ranks_shard_the_data_and_k_steps_equal_the_ddp_loop():
+    results = run_distributed(workers.k_vs_one_vs_plain, world_size=2, args=(4, 30, True))
+    for r in results:
+        assert torch.equal(r["k"]["losses"], r["plain"]["losses"])
+        assert torch.equal(r["one"]["losses"], r["plain"]["losses"])
+        for a, b in zip(r["k"]["params"], r["plain"]["params"]):
+            assert torch.equal(a, b)
+    assert not torch.equal(results[0]["k"]["losses"], results[1]["k"]["losses"])  # own shards
+    for a, b in zip(results[0]["k"]["params"], results[1]["k"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_a_scheduler_stepped_by_the_loop_is_refused_on_every_rank():
+    for message in run_distributed(workers.scheduler_stepped_outside, world_size=2):
+        assert "stepped outside the TrainStep (last_epoch 2 -> 3)" in message
+        assert "remove scheduler.step()" in message
+
+
+def test_resuming_from_state_dicts_at_a_call_boundary_is_exact():
+    def build():
+        model, optimizer, scheduler = workers.model_and_optimizer()
+        data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
+        step = TrainStep(
+            model, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, steps_per_replay=4
+        )
+        return model, data, step
+
+    model, data, step = build()
+    losses = [step(data).clone() for _ in range(4)]
+    saved = copy.deepcopy((step.state_dict(), data.state_dict()))
+    losses += [step(data).clone() for _ in range(5)]
+    model2, data2, step2 = build()
+    step2.load_state_dict(saved[0])
+    data2.load_state_dict(saved[1])
+    resumed = [step2(data2).clone() for _ in range(5)]
+    assert torch.equal(torch.cat(resumed), torch.cat(losses[4:]))
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_reduce_lr_on_plateau_is_left_to_the_script():
+    model, optimizer, _ = workers.model_and_optimizer()
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
+    step = TrainStep(model, optimizer, nn.CrossEntropyLoss(), scheduler=plateau, steps_per_replay=3)
+    step(data)
+    plateau.step(1.0)
+    plateau.step(2.0)  # worse: halves the LR
+    step(data)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def _step(**kwargs):
+    model, optimizer, scheduler = workers.model_and_optimizer()
+    return TrainStep(model, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps_per_replay": 0}, "steps_per_replay=0 must be an integer >= 1"),
+        ({"steps_per_replay": True}, "steps_per_replay=True"),
+        ({"steps_per_replay": 2, "accumulate_calls": 2}, "accumulate within each step"),
+    ],
+)
+def test_bad_steps_per_replay_is_refused(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        _step(**kwargs)
+
+
+def test_calls_that_do_not_fit_the_options_are_refused():
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)  # 12 batches an epoch
+    x, y = data.peek()
+    with pytest.raises(ConfigError, match=r"call step\(data\) with a ddpgraph.DeviceData"):
+        _step(steps_per_replay=4)(x, y)
+    with pytest.raises(ConfigError, match=r"takes a ddpgraph\.DeviceData as its one argument"):
+        _step()(x, y, steps=2)
+    for steps in (0, 5, 2.0):
+        with pytest.raises(ConfigError, match=rf"steps={steps!r}\): steps must be .* 1 to"):
+            _step(steps_per_replay=4)(data, steps=steps)
+    with pytest.raises(ConfigError, match="has 12 batches per epoch on this rank"):
+        _step(steps_per_replay=13)(data)
+    with pytest.raises(ConfigError, match="accumulate_calls=2 takes one micro-batch"):
+        _step(accumulate_calls=2)(data)
+
+
+def test_a_call_reports_its_steps_and_the_report_counts_training_steps():
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
+    with fake_graphs():
+        step = _step(steps_per_replay=4)
+        for _ in itertools.repeat(None, 8):
+            step(data)
+    report = step.report()
+    assert (report.steps, report.eager_steps, report.replays) == (32, 12, 5)
+    assert "steps/replay=4" in str(report) and "4 steps of DeviceData batches (8, 8)" in str(report)
