@@ -20,6 +20,10 @@ within one process:
 * ``device_index``: the data set copied to the device once, batches gathered there by a shuffled
   device index tensor (no loader, no copy per step): for a data set that fits in device memory,
   as the demo's synthetic one does.
+* ``device_data``: what ``ddpgraph train`` runs now: ``ddpgraph.DeviceData`` holds the data set on
+  the device and a TrainStep with ``steps_per_replay=--k`` (its own model, optimizer and
+  scheduler, same config) gathers the batches inside its graph: ``losses = step(data)``, the
+  losses summed on the device; the TrainStep steps the scheduler. Its rate counts training steps.
 
 Each loader alone is timed too (``loader_alone_batches_per_s``: batches per second with no
 step), which shows whether the loader is the bottleneck. The loop body is the demo's:
@@ -69,7 +73,9 @@ MODES = (
     "batched_workers_prefetch",
     "index_prefetch",
     "device_index",
+    "device_data",
 )
+DEVICE_DATA_K = 8  # ddpgraph train's default --steps-per-replay
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -145,7 +151,7 @@ def device_index_batches(data: TensorDataset, rt: ddpgraph.Runtime) -> Iterator[
             yield x.index_select(0, idx), y.index_select(0, idx)
 
 
-def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
+def build_step(model_name: str, rt: ddpgraph.Runtime, steps_per_replay: int = 1) -> tuple[Any, Any]:
     """The demo's model, optimizer, scheduler and TrainStep options."""
     torch.manual_seed(0)
     model = build_model(model_name).to(rt.device)
@@ -157,6 +163,7 @@ def build_step(model_name: str, rt: ddpgraph.Runtime) -> tuple[Any, Any]:
         loss_fn=nn.CrossEntropyLoss(),
         scheduler=scheduler,
         channels_last=model_name == "resnet",
+        steps_per_replay=steps_per_replay,
     )
     return step, scheduler
 
@@ -177,6 +184,20 @@ def run_loop(batches: Iterator[Batch], steps: int, step: Any, scheduler: Any, rt
         scheduler.step()
     sync(rt.device)
     return steps / (time.perf_counter() - started)
+
+
+def run_data_loop(data: ddpgraph.DeviceData, steps: int, step: Any, rt: Any) -> float:
+    """Training steps per second of the main job's device-data loop (``steps`` rounded down to
+    whole calls)."""
+    k = step.options.steps_per_replay
+    calls = max(1, steps // k)
+    total = torch.zeros((), device=rt.device)
+    sync(rt.device)
+    started = time.perf_counter()
+    for _ in range(calls):
+        total += step(data).sum()  # the demo's _LossLog.add
+    sync(rt.device)
+    return calls * k / (time.perf_counter() - started)
 
 
 def loader_only(batches: Iterator[Batch], steps: int, warmup: int) -> float:
@@ -226,17 +247,25 @@ def measure_model(
     step, scheduler = build_step(model_name, rt)
     sources = feeds(data, rt, args.num_workers, args.fast_workers)
     run_loop(sources["staged"], args.warmup, step, scheduler, rt)
-    if rt.device.type == "cuda" and step.mode != "graphed":
-        raise RuntimeError(
-            f"{model_name}: TrainStep is not graphed after warm-up:\n{step.report()}"
-        )
+    data_step, _ = build_step(model_name, rt, steps_per_replay=min(args.k, len(data) // BATCH_SIZE))
+    device_data = ddpgraph.DeviceData(*data.tensors, batch_size=BATCH_SIZE, seed=0)
+    run_data_loop(device_data, args.warmup * args.k, data_step, rt)
+    for name, s in (("staged", step), ("device_data", data_step)):
+        if rt.device.type == "cuda" and s.mode != "graphed":
+            raise RuntimeError(f"{model_name} {name}: not graphed after warm-up:\n{s.report()}")
+
+    def run_mode(mode: str, n: int) -> float:
+        if mode == "device_data":
+            return run_data_loop(device_data, n, data_step, rt)
+        return run_loop(sources[mode], n, step, scheduler, rt)
+
     for mode in MODES:  # start every iterator (pin threads, workers) before timing
-        run_loop(sources[mode], args.loop_warmup, step, scheduler, rt)
+        run_mode(mode, args.loop_warmup)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     for r in range(repeats):
         # rotate the order: the mode after another one pays for its leftovers
         for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
-            rates[mode].append(run_loop(sources[mode], steps, step, scheduler, rt))
+            rates[mode].append(run_mode(mode, steps))
     alone = {
         "loader": forever(demo_loader(data, rt, args.num_workers)),
         "batched": forever(batched_loader(data, rt, 0)),
@@ -258,6 +287,17 @@ def measure_model(
         "step_mode": report.mode,
         "replays": report.replays,
         "eager_steps": report.eager_steps,
+        "device_data": {
+            "steps_per_replay": data_step.options.steps_per_replay,
+            "data_mib": device_data.nbytes / 2**20,
+            "step_mode": data_step.report().mode,
+            "replays": data_step.report().replays,
+            "peak_memory_mib": (
+                torch.cuda.max_memory_allocated(rt.device) / 2**20
+                if rt.device.type == "cuda"
+                else None
+            ),
+        },
     }
 
 
@@ -282,6 +322,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "num_workers": args.num_workers,
             "fast_workers": args.fast_workers,
             "loop_body": "loss = step(x, y); total += loss.detach(); scheduler.step()",
+            "device_data_loop_body": "total += step(data).sum()  (K steps a call)",
+            "k": args.k,
             "quick": args.quick,
         },
         "models": results,
@@ -318,12 +360,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--samples", type=int, default=TRAIN_SAMPLES)
     parser.add_argument(
+        "--k", type=int, default=DEVICE_DATA_K, help="device_data's steps per replay"
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="a few steps on the CPU: a smoke test of the script"
     )
     args = parser.parse_args(argv)
     if args.quick:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch touches CUDA: the CPU path
         args.steps, args.repeats, args.samples, args.fast_workers = 2, 2, 4 * BATCH_SIZE, 1
+        args.k = 2
         args.warmup, args.loop_warmup = 1, 1
     return args
 

@@ -612,6 +612,7 @@ def test_loader_benchmark_quick_writes_rates_and_ratios(tmp_path):
             "batched_workers_prefetch",
             "index_prefetch",
             "device_index",
+            "device_data",
         }
         assert all(rate > 0 for rate in rates.values())
         for mode, ratio in result["ratio_to_staged"].items():

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from . import runtime
+from .device_data import DeviceData
 from .step import TrainStep
 
 WARMUP_STEPS = 14  # TrainStep: 12 eager, the capture, one replay; the same count for every mode
@@ -88,7 +89,9 @@ MODES = (
     "train_step_channels_last",
     "train_step_compiled",
     "train_step_fp16",
+    "train_step_device_data",
 )
+DEVICE_DATA_K = 8  # train_step_device_data: steps per replay (ddpgraph train's default)
 QUICK_MODES = ("eager_ddp", "train_step")
 
 
@@ -164,8 +167,12 @@ def _fresh(device: torch.device) -> Iterator[None]:
 
 
 def _measure(
-    make_step: Callable[[], Callable[[], Any]], device: torch.device, steps: int
+    make_step: Callable[[], Callable[[], Any]],
+    device: torch.device,
+    steps: int,
+    steps_per_call: int = 1,
 ) -> dict[str, Any]:
+    """Times per training step; a call of ``steps_per_call`` steps is timed whole and divided."""
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     started = time.perf_counter()
     one = make_step()
@@ -174,9 +181,13 @@ def _measure(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     first_fast = time.perf_counter() - started
-    result: dict[str, Any] = _summary(_step_times(one, steps, device))
+    calls = max(1, steps // steps_per_call)
+    times = [t / steps_per_call for t in _step_times(one, calls, device)]
+    result: dict[str, Any] = _summary(times)
     result["first_fast_step_s"] = first_fast
-    result["gpu_busy_ms"] = _gpu_busy_ms(one, min(steps, 20), device)
+    busy = _gpu_busy_ms(one, max(1, min(steps, 20) // steps_per_call), device)
+    result["gpu_busy_ms"] = busy / steps_per_call if busy is not None else None
+    result["steps_per_call"] = steps_per_call
     if device.type == "cuda":
         # this mode's own peak: memory still held by earlier modes is not its cost
         result["peak_memory_mib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**20
@@ -223,8 +234,20 @@ def _train_step(
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     amp = options.pop("amp", cfg.amp)
     step = TrainStep(model, opt, nn.CrossEntropyLoss(), amp=amp, **options)
+    if step.options.steps_per_replay > 1:
+        data = _device_data(cfg, device, step.options.steps_per_replay)
+        return step, lambda: step(data)
     next_batch = _cycle(batches)
     return step, lambda: step(*next_batch())
+
+
+def _device_data(cfg: BenchConfig, device: torch.device, k: int) -> DeviceData:
+    """2k random batches on the device: an epoch holds two replays' worth."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = 2 * k * cfg.batch_size
+    x = torch.randn((n, *cfg.sample_shape), device=device, generator=gen)
+    y = torch.randint(10, (n,), device=device, generator=gen)
+    return DeviceData(x, y, batch_size=cfg.batch_size, device=device)
 
 
 def run_mode(
@@ -251,6 +274,10 @@ def run_mode(
             "train_step_channels_last": {"channels_last": True},
             "train_step_compiled": {"compile": True, "channels_last": cfg.conv},
             "train_step_fp16": {"amp": "fp16"},
+            "train_step_device_data": {
+                "steps_per_replay": DEVICE_DATA_K,
+                "channels_last": cfg.conv,
+            },
         }
         options = dict(choices[mode])
         holder: dict[str, TrainStep] = {}
@@ -259,7 +286,8 @@ def run_mode(
             holder["step"], one = _train_step(cfg, device, batches, **options)
             return one
 
-        result = _measure(make, device, steps)
+        k = int(options.get("steps_per_replay", 1))
+        result = _measure(make, device, steps, steps_per_call=k)
         step = holder["step"]
         report = step.report()
         result |= {
@@ -269,7 +297,8 @@ def run_mode(
         }
         graph = step.bare_graph()
         if graph is not None:  # the floor: its own graph replayed with no wrapper at all
-            result["bare_replay"] = _summary(_step_times(graph.replay, steps, device))
+            bare = [t / k for t in _step_times(graph.replay, max(1, steps // k), device)]
+            result["bare_replay"] = _summary(bare)
         return result
 
 

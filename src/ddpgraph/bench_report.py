@@ -14,6 +14,7 @@ MODE_TITLES = {
     "train_step_channels_last": "TrainStep channels_last",
     "train_step_compiled": "TrainStep compile=True",
     "train_step_fp16": "TrainStep fp16 (loss scaling in the graph)",
+    "train_step_device_data": "TrainStep DeviceData, 8 steps/replay",
 }
 
 

@@ -158,6 +158,7 @@ def train(
             "train_step_channels_last",
             "train_step_compiled",
             "train_step_fp16",
+            "train_step_device_data",
         ]
     ),
     multiple=True,

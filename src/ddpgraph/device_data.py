@@ -98,7 +98,6 @@ class DeviceData:
         )
         self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # row in _order
         self._orders: dict[int, torch.Tensor] = {}  # each epoch's order, computed once
-        self._upload = _Upload(self.device)
         self._load_window()
 
     # ------------------------------------------------------------------ facts
@@ -219,29 +218,17 @@ class DeviceData:
         self._orders = {
             e: self._orders[e] if e in self._orders else self.indices(e) for e in window
         }
-        self._upload.copy(self._order, torch.cat([self._orders[e] for e in window]))
+        _upload(self._order, torch.cat([self._orders[e] for e in window]))
         self._cursor.fill_(self.position)
 
 
-class _Upload:
-    """Host-to-device copies that do not stall the stream: from pinned memory, kept alive (and
-    not reused) until the copy has run, as ``prefetch`` does."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
-
-    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        if self._device.type != "cuda":
-            target.copy_(source)
-            return
-        if self._pending is not None:
-            self._pending[1].synchronize()  # the previous epoch's copy: long finished
-        pinned = source.pin_memory()
-        target.copy_(pinned, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending = (pinned, event)
+def _upload(target: torch.Tensor, source: torch.Tensor) -> None:
+    """A host-to-device copy that does not stall the stream: from pinned memory, which torch's
+    pinned-memory cache hands out again only after the copy has run (as ``prefetch`` relies on)."""
+    if target.device.type != "cuda":
+        target.copy_(source)
+        return
+    target.copy_(source.pin_memory(), non_blocking=True)
 
 
 def fits_on_device(nbytes: int, device: torch.device, fraction: float = FIT_FRACTION) -> bool:
