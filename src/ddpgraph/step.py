@@ -499,10 +499,16 @@ class TrainStep:
         self._phase = Phase.CLOSED
 
     def bare_graph(self) -> torch.cuda.CUDAGraph | None:
-        """The first training graph, for benchmarks that time a bare replay; None if none."""
+        """The first training graph of a batch of tensors, for benchmarks that time a bare
+        replay; None if none. (A ``step(data)`` graph is left out: it gathers at a device cursor
+        that only ``step(data)`` keeps inside the data's window.)"""
         if self._graphs is None:
             return None
-        keys = self._graphs.keys_of("train")
+        keys = [
+            k
+            for k in self._graphs.keys_of("train")
+            if not (isinstance(k, tuple) and k[2][0] == "data")
+        ]
         captured = self._graphs.get(keys[0]) if keys else None
         return captured.graph if captured is not None else None
 
@@ -943,7 +949,8 @@ class TrainStep:
         output: Any = None
         for j in range(steps):
             self._stepwise.apply(j)
-            loss, output = self._body(Batch("args", data_names(data), data.next_batch()))
+            gathered = [self._to_device(t) for t in data.next_batch()]  # channels_last, if asked
+            loss, output = self._body(Batch("args", data_names(data), tuple(gathered)))
             losses.append(loss)
         return torch.stack(losses), output
 
