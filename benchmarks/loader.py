@@ -248,7 +248,9 @@ def measure_model(
     sources = feeds(data, rt, args.num_workers, args.fast_workers)
     run_loop(sources["staged"], args.warmup, step, scheduler, rt)
     data_step, _ = build_step(model_name, rt, steps_per_replay=min(args.k, len(data) // BATCH_SIZE))
-    device_data = ddpgraph.DeviceData(*data.tensors, batch_size=BATCH_SIZE, seed=0)
+    device_data = ddpgraph.DeviceData(
+        *data.tensors, batch_size=BATCH_SIZE, seed=0, channels_last=model_name == "resnet"
+    )
     run_data_loop(device_data, args.warmup * args.k, data_step, rt)
     for name, s in (("staged", step), ("device_data", data_step)):
         if rt.device.type == "cuda" and s.mode != "graphed":

@@ -83,6 +83,15 @@ def test_k_gathers_per_call_run_across_epoch_ends_in_order(k):
     assert torch.equal(torch.cat(seen), expected[: len(seen) * 4])
 
 
+def test_channels_last_images_are_gathered_channels_last_with_the_same_values():
+    images = torch.randn(24, 3, 5, 4)
+    plain = DeviceData(images, batch_size=4, seed=0)
+    nhwc = DeviceData(images, batch_size=4, seed=0, channels_last=True)
+    for (a,), (b,) in zip(plain.next_batches(3), nhwc.next_batches(3)):
+        assert a.is_contiguous() and b.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(a, b)
+
+
 def test_state_dict_resumes_at_the_same_batch_and_refuses_another_data_set():
     data = DeviceData(torch.arange(40), batch_size=4, seed=1)
     for _ in range(13):

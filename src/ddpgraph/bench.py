@@ -247,7 +247,7 @@ def _device_data(cfg: BenchConfig, device: torch.device, k: int) -> DeviceData:
     n = 2 * k * cfg.batch_size
     x = torch.randn((n, *cfg.sample_shape), device=device, generator=gen)
     y = torch.randint(10, (n,), device=device, generator=gen)
-    return DeviceData(x, y, batch_size=cfg.batch_size, device=device)
+    return DeviceData(x, y, batch_size=cfg.batch_size, device=device, channels_last=cfg.conv)
 
 
 def run_mode(

@@ -37,8 +37,9 @@ class DeviceData:
 
     ``DeviceData(x, y, batch_size=64)`` copies each tensor to ``device`` once (default: the
     device ``ddpgraph.init()`` bound this rank to, else the first tensor's); every tensor is
-    indexed along dim 0, so all must have the same length. ``num_replicas``/``rank`` default to
-    the process group's. Each epoch has ``len(data)`` batches per rank, in the order
+    indexed along dim 0, so all must have the same length. ``channels_last=True`` stores image
+    tensors (4-D) in NHWC, so batches come out channels_last for ``TrainStep(channels_last=True)``
+    without a copy per step. ``num_replicas``/``rank`` default to the process group's. Each epoch has ``len(data)`` batches per rank, in the order
     ``BatchSampler(DistributedSampler(..., seed=seed, drop_last=True), batch_size,
     drop_last=True)`` gives for that epoch (:meth:`indices`).
 
@@ -61,15 +62,17 @@ class DeviceData:
         device: torch.device | str | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
+        channels_last: bool = False,
     ) -> None:
         _check_tensors(tensors)
         _check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=64")
         _check_int("seed", seed, minimum=None, fix="e.g. seed=0")
-        if not isinstance(shuffle, bool):
-            raise ConfigError(f"shuffle={shuffle!r} must be True or False.")
+        for name, flag in (("shuffle", shuffle), ("channels_last", channels_last)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name}={flag!r} must be True or False.")
         replicas, rank = _replicas_and_rank(num_replicas, rank)
         self.device = _device(device, tensors)
-        self.tensors = tuple(t.to(self.device) for t in tensors)
+        self.tensors = tuple(_placed(t, self.device, channels_last) for t in tensors)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
@@ -96,7 +99,9 @@ class DeviceData:
         self._order = torch.empty(
             (2 * self.batches_per_epoch, batch_size), dtype=torch.long, device=self.device
         )
-        self._cursor = torch.zeros(1, dtype=torch.long, device=self.device)  # row in _order
+        # the rows of _order the next batches are in (position, position + 1, ...): a step
+        # gathers the first k, and advances them all, on the device
+        self._rows = torch.empty(self.batches_per_epoch, dtype=torch.long, device=self.device)
         self._orders: dict[int, torch.Tensor] = {}  # each epoch's order, computed once
         self._load_window()
 
@@ -140,20 +145,27 @@ class DeviceData:
         return order[:usable].view(self.batches_per_epoch, self.batch_size)
 
     # ------------------------------------------------------------- gathering
-    def next_batch(self) -> tuple[torch.Tensor, ...]:
-        """Gather the batch at the device cursor and advance the cursor, all on the device.
+    def next_batches(self, k: int) -> list[tuple[torch.Tensor, ...]]:
+        """Gather the next ``k`` batches (one gather per tensor) and advance, on the device.
 
-        Runs inside TrainStep's step (eager or captured), so it must not touch the host; the
+        Runs inside TrainStep's call (eager or captured), so it must not touch the host; the
         host's count moves with :meth:`advance`, once the call that consumed the batches is over.
+        Each batch is a view of one gathered tensor: a few kernels per call, not per step.
         """
-        rows = self._order.index_select(0, self._cursor).view(-1)
-        self._cursor.add_(1)
-        return tuple(t.index_select(0, rows) for t in self.tensors)
+        samples = self._order.index_select(0, self._rows[:k]).view(-1)
+        self._rows.add_(k)
+        gathered = [_gather(t, samples) for t in self.tensors]
+        size = self.batch_size
+        return [tuple(g[j * size : (j + 1) * size] for g in gathered) for j in range(k)]
+
+    def next_batch(self) -> tuple[torch.Tensor, ...]:
+        """:meth:`next_batches` of one."""
+        return self.next_batches(1)[0]
 
     def peek(self) -> tuple[torch.Tensor, ...]:
         """The batch :meth:`next_batch` would gather, without advancing (compiling a model)."""
-        rows = self._order.index_select(0, self._cursor).view(-1)
-        return tuple(t.index_select(0, rows) for t in self.tensors)
+        samples = self._order.index_select(0, self._rows[:1]).view(-1)
+        return tuple(_gather(t, samples) for t in self.tensors)
 
     def advance(self, batches: int) -> None:
         """The host's count after ``batches`` were gathered on the device (by :meth:`next_batch`).
@@ -219,7 +231,23 @@ class DeviceData:
             e: self._orders[e] if e in self._orders else self.indices(e) for e in window
         }
         _upload(self._order, torch.cat([self._orders[e] for e in window]))
-        self._cursor.fill_(self.position)
+        # a kernel with the bounds as arguments: no copy, no sync
+        torch.arange(self.position, self.position + len(self._rows), out=self._rows)
+
+
+def _placed(tensor: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    if channels_last and tensor.dim() == 4:
+        return tensor.to(device).contiguous(memory_format=torch.channels_last)
+    return tensor.to(device)
+
+
+def _gather(tensor: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
+    """``tensor[samples]``; a channels_last image tensor stays channels_last (gathered as the
+    NHWC tensor it is in memory), so a channels_last model needs no copy per step."""
+    nhwc = tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last)
+    if nhwc and not tensor.is_contiguous():
+        return tensor.permute(0, 2, 3, 1).index_select(0, samples).permute(0, 3, 1, 2)
+    return tensor.index_select(0, samples)
 
 
 def _upload(target: torch.Tensor, source: torch.Tensor) -> None:

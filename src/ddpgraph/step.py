@@ -947,10 +947,10 @@ class TrainStep:
         assert self._stepwise is not None
         losses: list[torch.Tensor] = []
         output: Any = None
-        for j in range(steps):
+        for j, tensors in enumerate(data.next_batches(steps)):
             self._stepwise.apply(j)
-            gathered = [self._to_device(t) for t in data.next_batch()]  # channels_last, if asked
-            loss, output = self._body(Batch("args", data_names(data), tuple(gathered)))
+            gathered = tuple(self._to_device(t) for t in tensors)  # channels_last, if asked
+            loss, output = self._body(Batch("args", data_names(data), gathered))
             losses.append(loss)
         return torch.stack(losses), output
 

@@ -243,7 +243,11 @@ class _Feed:
         self._iterator: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None
         if wanted == "device":
             self.data = DeviceData(
-                *data.tensors, batch_size=config.batch_size, shuffle=True, seed=config.seed
+                *data.tensors,
+                batch_size=config.batch_size,
+                shuffle=True,
+                seed=config.seed,
+                channels_last=config.model == "resnet",  # as the model: no copy per step
             )
             self.steps_per_call = min(config.steps_per_replay, len(self.data))
             self.description = (
