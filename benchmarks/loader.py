@@ -75,7 +75,7 @@ MODES = (
     "device_index",
     "device_data",
 )
-DEVICE_DATA_K = 8  # ddpgraph train's default --steps-per-replay
+DEVICE_DATA_K = 2  # ddpgraph train's default --steps-per-replay
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 

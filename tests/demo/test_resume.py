@@ -336,12 +336,11 @@ def test_a_reported_worker_error_is_one_line_per_message_and_other_endings_are_n
 
 @pytest.mark.timeout(200)
 def test_device_data_and_the_dataloader_train_the_same_bits_and_run_json_says_which(tmp_path):
-    """The two feeds of ``ddpgraph train``: batches gathered inside the step (8 a call, the
-    last call 4) and the DataLoader through prefetch, with the same sampler order and LRs."""
+    """The two feeds of ``ddpgraph train``: batches gathered inside the step (2 a call) and the DataLoader through prefetch, with the same sampler order and LRs."""
     steps = 60
     device = run_job(tmp_path / "device", steps=steps, data="device")
     loader = run_job(tmp_path / "loader", steps=steps, data="loader")
     assert [m["data"] for m in device] == ["device", "device"]
-    assert [m["steps_per_replay"] for m in device] == [8, 8]
+    assert [m["steps_per_replay"] for m in device] == [2, 2]
     assert [m["data"] for m in loader] == ["loader", "loader"]
     assert final_hash(tmp_path / "device", steps) == final_hash(tmp_path / "loader", steps)

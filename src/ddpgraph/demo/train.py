@@ -62,7 +62,7 @@ class TrainConfig:
     stop_after: int | None = None  # stop (with a checkpoint) after this many steps
     max_restarts: int = 0
     data: str = "auto"  # "device" (DeviceData), "loader" (DataLoader + prefetch), "auto"
-    steps_per_replay: int = 8  # with device data: training steps per graph replay
+    steps_per_replay: int = 2  # with device data: steps per replay (more slows GPU-bound models)
 
     @property
     def checkpoints(self) -> Path:
