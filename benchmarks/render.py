@@ -104,7 +104,7 @@ def _bullet(text: str) -> str:
 
 def headline(results: list[tuple[str, dict]]) -> str | None:
     """The README's short table: the main modes, with what the numbers include."""
-    rows = [row for name, data in results for row in table_rows(name, data)]
+    rows = _one_row_per_config([row for name, data in results for row in table_rows(name, data)])
     if not rows:
         return None
     modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
@@ -125,13 +125,26 @@ def headline(results: list[tuple[str, dict]]) -> str | None:
             else:
                 cells.append(f"{m['median_ms']:.2f} ({m['vs_eager']:.2f}×)")
         lines.append("| " + " | ".join(cells) + " |")
-    sources = ", ".join(f"`{name}`" for name, _ in results)
+    shown = {row["source"] for row in rows}
+    sources = ", ".join(f"`{name}`" for name, _ in results if name in shown)
     more = _bullet(
         f"**Sources:** {sources} in `benchmarks/results/`. The full tables, the time to the first "
         "fast step, and the loader and variable-length measurements: "
         "[docs/benchmarks.md](docs/benchmarks.md)."
     )
     return "\n".join([*lines, "", *scope(results), more])
+
+
+def _one_row_per_config(rows: list[dict]) -> list[dict]:
+    """Where several files measured a config (fp16 next to bf16, DeviceData next to TrainStep),
+    the README's short table keeps the row with the most of its modes; the docs page shows all."""
+    best: dict[str, dict] = {}
+    for row in rows:
+        count = sum(m in row["modes"] for m in HEADLINE_MODES)
+        kept = best.get(row["config"])
+        if kept is None or count > sum(m in kept["modes"] for m in HEADLINE_MODES):
+            best[row["config"]] = row
+    return [row for row in rows if best[row["config"]] is row]
 
 
 def _versions(results: list[tuple[str, dict]]) -> str:
@@ -182,9 +195,13 @@ def varlen_section(data: dict, name: str) -> list[str]:
 def loader_section(data: dict, name: str) -> list[str]:
     models = data["models"]
     feeds = list(next(iter(models.values()))["ratio_to_staged"])
+    k = data["config"].get("k")
+    uses = (
+        f"device_data with {k} steps per replay" if "device_data" in feeds else "batched_prefetch"
+    )
     lines = [
         "The main job's loop against the same TrainStep fed pre-staged device batches (rate ratio, "
-        f"median of {data['config']['repeats']} repeats; `ddpgraph train` uses batched_prefetch):",
+        f"median of {data['config']['repeats']} repeats; `ddpgraph train` uses {uses}):",
         "",
         "| feed | " + " | ".join(models) + " |",
         "|---|" + "---:|" * len(models),
@@ -195,6 +212,40 @@ def loader_section(data: dict, name: str) -> list[str]:
     for feed in feeds:
         ratios = " | ".join(f"{r['ratio_to_staged'][feed]:.2f}" for r in models.values())
         lines.append(f"| {feed} | {ratios} |")
+    return [*lines, "", f"Source: {_source(name, data['environment'])}."]
+
+
+def loader_k_section(data: dict, name: str) -> list[str]:
+    """The same loop with more steps per replay: device_data's ratio only."""
+    cells = ", ".join(
+        f"{model} {r['ratio_to_staged']['device_data']:.2f}" for model, r in data["models"].items()
+    )
+    return [
+        f"With {data['config']['k']} steps per replay, device_data against staged: {cells} "
+        f"(median of {data['config']['repeats']} repeats). Source: "
+        f"{_source(name, data['environment'])}."
+    ]
+
+
+def steps_per_replay_section(data: dict, name: str) -> list[str]:
+    """Per-step wall time as a multiple of GPU-busy time, staged and for each K."""
+    models = data["models"]
+    keys = list(next(iter(models.values())))
+    lines = [
+        "Per-step wall time ÷ GPU-busy time (profiler kernel time) for pre-staged batches and "
+        "for a DeviceData at K steps per replay; kernel time is the same for every K, so what "
+        "grows with K is time between kernels inside the graph (benchmarks/probes/"
+        "steps_per_replay_probe.py):",
+        "",
+        "| model | " + " | ".join(keys) + " |",
+        "|---|" + "---:|" * len(keys),
+    ]
+    for model, row in models.items():
+        cells = " | ".join(
+            f"{v['ms_per_step']:.3f} ms ({v['ms_per_step'] / v['gpu_busy_ms_per_step']:.2f}×)"
+            for v in row.values()
+        )
+        lines.append(f"| {model} | {cells} |")
     return [*lines, "", f"Source: {_source(name, data['environment'])}."]
 
 
@@ -213,6 +264,8 @@ def loops_section() -> str | None:
     renderers = {
         "varlen-h200.json": varlen_section,
         "loader-h200.json": loader_section,
+        "loader-k8-h200.json": loader_k_section,
+        "steps-per-replay-probe-h200.json": steps_per_replay_section,
         "watchdog-overhead-h200.json": watchdog_section,
     }
     for name, render in renderers.items():
@@ -306,11 +359,7 @@ def _replace(text: str, start: str, end: str, body: str | None) -> str:
 
 def main() -> None:
     results = load()
-    # the fp16 run repeats the transformer config next to bf16: the docs page shows it, the
-    # README's short table keeps one row per config
-    readme = _replace(
-        README.read_text(), START, END, headline([r for r in results if "fp16" not in r[0]])
-    )
+    readme = _replace(README.read_text(), START, END, headline(results))
     page = _replace(PAGE.read_text(), START, END, section(results))
     page = _replace(page, LOOPS_START, LOOPS_END, loops_section())
     page = _replace(page, HF_START, HF_END, hf_section())
