@@ -212,6 +212,14 @@ def loader_section(data: dict, name: str) -> list[str]:
     for feed in feeds:
         ratios = " | ".join(f"{r['ratio_to_staged'][feed]:.2f}" for r in models.values())
         lines.append(f"| {feed} | {ratios} |")
+    memory = [
+        f"{model} {r['device_data']['data_mib']:.0f} MiB of data, peak "
+        f"{r['device_data']['peak_memory_mib']:.0f} MiB"
+        for model, r in models.items()
+        if (r.get("device_data") or {}).get("peak_memory_mib") is not None
+    ]
+    if memory:
+        lines += ["", "device_data's memory (the process's peak, both steps): " + "; ".join(memory)]
     return [*lines, "", f"Source: {_source(name, data['environment'])}."]
 
 

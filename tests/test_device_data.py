@@ -242,3 +242,18 @@ def test_a_call_reports_its_steps_and_the_report_counts_training_steps():
     report = step.report()
     assert (report.steps, report.eager_steps, report.replays) == (32, 12, 5)
     assert "steps/replay=4" in str(report) and "4 steps of DeviceData batches (8, 8)" in str(report)
+
+
+def test_evaluate_between_calls_uses_the_trained_model_and_leaves_the_position():
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
+    with fake_graphs():
+        step = _step(steps_per_replay=4)
+        x, _ = data.peek()
+        for _ in range(6):  # warm-up, capture, replays
+            step(data)
+            position = (data.epoch, data.position)
+            out = step.evaluate(x).clone()
+            with torch.no_grad():
+                assert torch.equal(out, step.model(x))
+            assert (data.epoch, data.position) == position
+    assert step.report().mode == "graphed" and step.report().evaluations == 6

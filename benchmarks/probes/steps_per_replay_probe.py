@@ -7,6 +7,7 @@ pre-staged batches (K=1) and a DeviceData at K = 1, 2, 4, 8, 16, in one process,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -57,16 +58,20 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["mlp", "resnet"])
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ks", type=int, nargs="+", default=list(KS))
+    parser.add_argument(
+        "--no-ddp", action="store_true", help="no process group: TrainStep without DDP"
+    )
     args = parser.parse_args()
-    results = {"environment": environment(), "models": {}}
-    with ddpgraph.init():
+    results = {"environment": environment(), "ddp": not args.no_ddp, "models": {}}
+    with contextlib.nullcontext() if args.no_ddp else ddpgraph.init():
         for name in args.models:
             runs = {}
             staged_step, data = build(name, 1)
             batches = [tuple(t.clone() for t in b) for b in itertools.islice(data, 8)]
             cycle = itertools.cycle(batches)
-            runs["staged"] = (staged_step, lambda s=staged_step: s(*next(cycle)), 1)
-            for k in KS:
+            runs["staged"] = (staged_step, lambda s=staged_step, c=cycle: s(*next(c)), 1)
+            for k in args.ks:
                 step, d = build(name, k)
                 runs[f"data_k{k}"] = (step, lambda s=step, d=d: s(d), k)
             for _, fn, k in runs.values():
