@@ -37,7 +37,9 @@ def build(name: str, k: int):
         model, opt, nn.CrossEntropyLoss(), steps_per_replay=k, channels_last=conv
     )
     data_set = synthetic_patterns(shape, num_samples=32 * batch, seed=0)
-    data = ddpgraph.DeviceData(*data_set.tensors, batch_size=batch, channels_last=conv)
+    data = ddpgraph.DeviceData(
+        *data_set.tensors, batch_size=batch, channels_last=conv, device="cuda"
+    )
     return step, data
 
 
