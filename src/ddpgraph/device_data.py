@@ -36,7 +36,8 @@ class DeviceData:
     """Tensors of one data set on one device, read in shuffled, rank-sharded batches.
 
     ``DeviceData(x, y, batch_size=64)`` copies each tensor to ``device`` once (default: the
-    device ``ddpgraph.init()`` bound this rank to, else the first tensor's); every tensor is
+    device ``ddpgraph.init()`` bound this rank to; without it the first tensor's if that is a
+    GPU, else the current CUDA device, else the CPU); every tensor is
     indexed along dim 0, so all must have the same length. ``channels_last=True`` stores image
     tensors (4-D) in NHWC, so batches come out channels_last for ``TrainStep(channels_last=True)``
     without a copy per step. ``num_replicas``/``rank`` default to the process group's. Each epoch has ``len(data)`` batches per rank, in the order
@@ -316,4 +317,8 @@ def _device(device: torch.device | str | None, tensors: tuple[torch.Tensor, ...]
     from .runtime import get_runtime
 
     rt = get_runtime()
-    return rt.device if rt is not None else tensors[0].device
+    if rt is not None:
+        return rt.device
+    if tensors[0].device.type != "cpu" or not torch.cuda.is_available():
+        return tensors[0].device
+    return torch.device("cuda", torch.cuda.current_device())
