@@ -257,3 +257,39 @@ def test_evaluate_between_calls_uses_the_trained_model_and_leaves_the_position()
                 assert torch.equal(out, step.model(x))
             assert (data.epoch, data.position) == position
     assert step.report().mode == "graphed" and step.report().evaluations == 6
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"accumulate": 2},
+        {"clip_grad_norm": 0.05},
+        {"amp": "bf16"},
+        {"amp": "fp16"},
+        {"compile": {"backend": "eager"}},
+    ],
+    ids=["accumulate", "clip", "bf16", "fp16", "compile"],
+)
+def test_each_step_of_a_multi_step_call_keeps_the_step_options(options):
+    def run(k, options=options):
+        model, optimizer, scheduler = workers.model_and_optimizer()
+        data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
+        with fake_graphs():
+            step = TrainStep(
+                model,
+                optimizer,
+                nn.CrossEntropyLoss(),
+                scheduler=scheduler,
+                steps_per_replay=k,
+                **options,
+            )
+            losses = torch.cat([step(data).clone() for _ in range(24 // k)])
+        return losses, [p.detach().clone() for p in model.parameters()], step.report()
+
+    three, one, without = run(3), run(1), run(3, {})
+    assert three[2].mode == "graphed", str(three[2])
+    assert torch.equal(three[0], one[0])
+    for a, b in zip(three[1], one[1]):
+        assert torch.equal(a, b)
+    # the option took effect (compile with the eager backend computes the same bits)
+    assert torch.equal(three[0], without[0]) == ("compile" in options)
