@@ -251,8 +251,8 @@ class _Feed:
             )
             self.steps_per_call = min(config.steps_per_replay, len(self.data))
             self.description = (
-                f"data: on {rt.device} ({len(data)} samples, {nbytes / 2**20:.1f} MiB on each rank), "
-                f"batches gathered inside the step, {self.steps_per_call} steps per call"
+                f"data on {rt.device}, {nbytes / 2**20:.1f} MiB: gathered in the step, "
+                f"{self.steps_per_call} steps a call"
             )
         else:
             loader = _loader(config, rt, split="train")
@@ -262,10 +262,7 @@ class _Feed:
             )
             self.steps_per_call = 1
             why = "--data loader" if config.data == "loader" else "it does not fit on the device"
-            self.description = (
-                f"data: DataLoader + prefetch ({why}; {len(data)} samples, "
-                f"{nbytes / 2**20:.1f} MiB), one step per call"
-            )
+            self.description = f"data: DataLoader + prefetch ({why}, {nbytes / 2**20:.1f} MiB)"
 
     @property
     def state(self) -> Any:
