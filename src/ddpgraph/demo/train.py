@@ -236,7 +236,9 @@ class _Feed:
         nbytes = sum(t.numel() * t.element_size() for t in data.tensors)
         wanted = config.data
         if wanted == "auto":
-            wanted = "device" if fits_on_device(nbytes, rt.device) else "loader"
+            # every rank takes the same feed: free memory can differ between GPUs
+            fits = ddpgraph.all_gather_object(fits_on_device(nbytes, rt.device), timeout=60.0)
+            wanted = "device" if all(fits) else "loader"
         self.kind = wanted
         self.data: DeviceData | None = None
         self.batches: ResumableLoader | None = None
