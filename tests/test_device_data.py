@@ -293,3 +293,41 @@ def test_each_step_of_a_multi_step_call_keeps_the_step_options(options):
         assert torch.equal(a, b)
     # the option took effect (compile with the eager backend computes the same bits)
     assert torch.equal(three[0], without[0]) == ("compile" in options)
+
+
+def test_a_mapping_device_data_feeds_model_keyword_arguments_as_step_batch_does():
+    """HF style: DeviceData({"inputs": x, "labels": y}) and loss_fn=None train as the loop that
+    calls model(**batch) on the DataLoader's batches."""
+    from .step_workers import ComputesItsLoss
+
+    x, y = torch.randn(96, 8), torch.randint(3, (96,))
+
+    def build():
+        torch.manual_seed(0)
+        model = ComputesItsLoss()
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, optimizer = build()
+    data = DeviceData({"inputs": x, "labels": y}, batch_size=8, seed=4)
+    assert data.kind == "mapping" and data.names == ("inputs", "labels")
+    with fake_graphs():
+        step = TrainStep(model, optimizer, steps_per_replay=3)
+        ours = torch.cat([step(data).clone() for _ in range(10)])
+    assert step.report().mode == "graphed"
+
+    reference, ref_optimizer = build()
+    plain = DeviceData({"inputs": x, "labels": y}, batch_size=8, seed=4)
+    theirs = []
+    batches = itertools.chain(plain, plain, plain)  # the same batches, as dicts, host-driven
+    for batch in itertools.islice(batches, 30):
+        assert set(batch) == {"inputs", "labels"}
+        ref_optimizer.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        ref_optimizer.step()
+        theirs.append(loss.detach())
+    assert torch.equal(ours, torch.stack(theirs))
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ConfigError, match="string keys"):
+        DeviceData({0: x}, batch_size=8)

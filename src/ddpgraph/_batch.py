@@ -58,12 +58,12 @@ class Batch:
 
 def data_batch(data: Any, steps: int) -> Batch:
     """``steps`` training steps whose batches the step gathers from ``data`` (a DeviceData)."""
-    return Batch("data", data_names(data), (), source=data, steps=steps)
+    return Batch("data", data.names, (), source=data, steps=steps)
 
 
-def data_names(data: Any) -> tuple[str, ...]:
-    """A DeviceData's gathered batch is positional: ``step(x, y)``'s names."""
-    return tuple(str(i) for i in range(len(data.tensors)))
+def gathered_batch(data: Any, tensors: tuple[torch.Tensor, ...]) -> Batch:
+    """One batch gathered from a DeviceData: positional, or a mapping as its keys say."""
+    return Batch(data.kind, data.names, tensors)
 
 
 def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:

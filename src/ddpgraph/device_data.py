@@ -16,7 +16,7 @@ shuffle=shuffle, seed=seed, drop_last=True), batch_size, drop_last=True)`` with
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -46,7 +46,9 @@ class DeviceData:
 
     Use it as ``losses = step(data)``: the :class:`~ddpgraph.TrainStep` gathers the next batch
     (or ``steps_per_replay`` batches) on the device, inside its graph, and returns one loss per
-    step. Iterating (``for x, y in data``) yields the rest of the current epoch's batches for
+    step. ``DeviceData({"input_ids": ids, "labels": labels}, batch_size=32)`` holds a mapping:
+    its batches are passed as ``model(**batch)``, as ``step(batch)`` does with a dict.
+    Iterating (``for x, y in data``) yields the rest of the current epoch's batches for
     loops that call ``step(x, y)`` or evaluate; each batch is gathered by the host then.
 
     :meth:`state_dict` / :meth:`load_state_dict` hold the epoch and the position in it; pass the
@@ -56,7 +58,7 @@ class DeviceData:
 
     def __init__(
         self,
-        *tensors: torch.Tensor,
+        *tensors: torch.Tensor | Mapping[str, torch.Tensor],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -65,22 +67,23 @@ class DeviceData:
         rank: int | None = None,
         channels_last: bool = False,
     ) -> None:
-        _check_tensors(tensors)
+        self.kind, self.names, values = _named(tensors)
+        _check_tensors(values)
         _check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=64")
         _check_int("seed", seed, minimum=None, fix="e.g. seed=0")
         for name, flag in (("shuffle", shuffle), ("channels_last", channels_last)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name}={flag!r} must be True or False.")
         replicas, rank = _replicas_and_rank(num_replicas, rank)
-        self.device = _device(device, tensors)
-        self.tensors = tuple(_placed(t, self.device, channels_last) for t in tensors)
+        self.device = _device(device, values)
+        self.tensors = tuple(_placed(t, self.device, channels_last) for t in values)
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.num_replicas = replicas
         self.rank = rank
         self._sampler: DistributedSampler[int] = DistributedSampler(
-            range(len(tensors[0])),  # type: ignore[arg-type]
+            range(len(values[0])),  # type: ignore[arg-type]
             num_replicas=replicas,
             rank=rank,
             shuffle=shuffle,
@@ -90,7 +93,7 @@ class DeviceData:
         self.batches_per_epoch = self._sampler.num_samples // batch_size
         if self.batches_per_epoch == 0:
             raise ConfigError(
-                f"DeviceData holds {len(tensors[0])} samples, {self._sampler.num_samples} per "
+                f"DeviceData holds {len(values[0])} samples, {self._sampler.num_samples} per "
                 f"rank over {replicas} rank(s): not one batch of batch_size={batch_size}; use a "
                 f"batch_size <= {max(self._sampler.num_samples, 1)} or more data."
             )
@@ -181,13 +184,14 @@ class DeviceData:
         self.position %= self.batches_per_epoch
         self._load_window()
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        """The rest of the current epoch, one gathered batch at a time (host-driven)."""
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the current epoch, one gathered batch at a time (host-driven): tuples,
+        or dicts for a DeviceData built from a mapping."""
         epoch = self.epoch
         while self.epoch == epoch:
             batch = self.next_batch()
             self.advance(1)
-            yield batch
+            yield dict(zip(self.names, batch)) if self.kind == "mapping" else batch
 
     # ------------------------------------------------------------- resuming
     def state_dict(self) -> dict[str, Any]:
@@ -270,6 +274,21 @@ def fits_on_device(nbytes: int, device: torch.device, fraction: float = FIT_FRAC
 
 
 # ---------------------------------------------------------------- checks
+def _named(tensors: tuple[Any, ...]) -> tuple[str, tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """("mapping", keys, values) for one mapping (a batch passed as ``model(**batch)``), else
+    ("args", "0", "1", ..., tensors) for positional tensors (``model(*inputs)``, target last)."""
+    if len(tensors) == 1 and isinstance(tensors[0], Mapping):
+        mapping = tensors[0]
+        bad = [key for key in mapping if not isinstance(key, str)]
+        if bad or not mapping:
+            raise ConfigError(
+                f"DeviceData's mapping needs string keys (the model's keyword arguments), got "
+                f"{list(mapping)!r}."
+            )
+        return "mapping", tuple(mapping), tuple(mapping.values())
+    return "args", tuple(str(i) for i in range(len(tensors))), tensors
+
+
 def _check_tensors(tensors: tuple[Any, ...]) -> None:
     if not tensors:
         raise ConfigError(

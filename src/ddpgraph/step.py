@@ -37,7 +37,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import watchdog
 from ._amp import LossScaler, amp_dtype, check_scaler_options, skips_on_device
-from ._batch import Batch, Signature, data_batch, data_names, describe, differences, make_batch
+from ._batch import (
+    Batch,
+    Signature,
+    data_batch,
+    describe,
+    differences,
+    gathered_batch,
+    make_batch,
+)
 from ._frames import PACKAGE_DIR, frame_outside, in_directories
 from ._graphs import SKIPPED_DIRS, CapturedGraph, CaptureFailure, Graphs
 from ._log import get_logger
@@ -880,7 +888,7 @@ class TrainStep:
         from torch._dynamo.exc import TorchDynamoException
 
         if batch.source is not None:  # step(data): the batch it would gather first
-            batch = Batch("args", batch.names, batch.source.peek())
+            batch = gathered_batch(batch.source, batch.source.peek())
         first = batch.split(self.options.accumulate)[0]
         saved = [b.detach().clone() for b in self._module.buffers()]
         devices = [self.device] if self.device.type == "cuda" else []
@@ -950,7 +958,7 @@ class TrainStep:
         for j, tensors in enumerate(data.next_batches(steps)):
             self._stepwise.apply(j)
             gathered = tuple(self._to_device(t) for t in tensors)  # channels_last, if asked
-            loss, output = self._body(Batch("args", data_names(data), gathered))
+            loss, output = self._body(gathered_batch(data, gathered))
             losses.append(loss)
         return torch.stack(losses), output
 
