@@ -49,7 +49,7 @@ class StepwiseLR:
         """Step the scheduler ``steps`` times and stage the LR of each step (one copy)."""
         if self.scheduler is None:
             return
-        self._check_not_stepped_outside()
+        self.check()
         groups = self.optimizer.param_groups
         held = [group["lr"] for group in groups]
         for group, lr in zip(groups, self.scheduler.get_last_lr()):
@@ -94,8 +94,9 @@ class StepwiseLR:
             self._last_epoch = self.scheduler.last_epoch
 
     # ------------------------------------------------------------- internals
-    def _check_not_stepped_outside(self) -> None:
-        if self.scheduler.last_epoch == self._last_epoch:
+    def check(self) -> None:
+        """Raise if the loop stepped the scheduler itself since the last call."""
+        if self.scheduler is None or self.scheduler.last_epoch == self._last_epoch:
             return
         raise ConfigError(
             f"the LR scheduler was stepped outside the TrainStep (last_epoch "

@@ -417,10 +417,11 @@ class TrainStep:
     def _run_data(self, data: DeviceData, steps: int) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
         batch = data_batch(data, steps)
+        stepwise = self._stepwise_lr()
+        stepwise.check()  # before anything is counted or stepped
         self._call_steps = steps
         self._report.steps += steps
         self._check_shape_policy(batch.signature)
-        stepwise = self._stepwise_lr()
         stepwise.prepare(steps)
         try:
             losses: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
