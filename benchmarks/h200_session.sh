@@ -3,7 +3,8 @@
 # named in $RUNS. Results land in $OUT (or ./out): pytest logs and benchmark JSON.
 #   DDPGRAPH_COMMIT=$(git rev-parse HEAD) RUNS="tests varlen loader" bash benchmarks/h200_session.sh
 # RUNS: tests varlen hf (transformers models with masks) ports (examples/ports on one GPU)
-#       loader watchdog bench (BENCH_ARGS)
+#       loader (with the device_data feed) watchdog bench (BENCH_ARGS)
+#       probe (steps per replay, with and without DDP)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-out}"
@@ -12,7 +13,7 @@ runs="${RUNS:-tests}"
 has() { [[ " $runs " == *" $1 "* ]]; }
 python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.nccl.version(), torch.cuda.get_device_name())"
 if has tests; then
-  timeout "${TESTS_TIMEOUT:-300}" python -m pytest -q tests/gpu -p no:cacheprovider -rs \
+  timeout "${TESTS_TIMEOUT:-420}" python -m pytest -q tests/gpu -p no:cacheprovider -rs \
     --durations=15 ${PYTEST_ARGS:-} 2>&1 | tee "$out/gpu_tests.log" | tail -60
 fi
 if has varlen; then
@@ -28,6 +29,12 @@ if has ports; then
 fi
 if has loader; then
   timeout 240 python benchmarks/loader.py ${LOADER_ARGS:-} --out "$out/loader-h200.json" 2>&1 | tail -25
+fi
+if has probe; then
+  timeout 120 python benchmarks/probes/steps_per_replay_probe.py --ks 1 2 8 \
+    --out "$out/steps-per-replay-probe-h200.json" 2>&1 | grep "^mlp\|^resnet"
+  timeout 120 python benchmarks/probes/steps_per_replay_probe.py --no-ddp --ks 1 2 8 \
+    --out "$out/steps-per-replay-probe-noddp-h200.json" 2>&1 | grep "^mlp\|^resnet"
 fi
 if has watchdog; then
   timeout 120 python benchmarks/watchdog_overhead.py --out "$out/watchdog-overhead-h200.json" 2>&1 | tail -10
