@@ -58,9 +58,11 @@ def device_data_run(k: int, total: int, fake: bool) -> dict[str, Any]:
     }
 
 
-def plain_loop(total: int) -> dict[str, Any]:
+def plain_loop(total: int, make_scheduler: Any = None) -> dict[str, Any]:
     """The eager loop a script writes: DataLoader over DistributedSampler, DDP, scheduler.step()."""
     model, optimizer, scheduler = model_and_optimizer()
+    if make_scheduler is not None:
+        scheduler = make_scheduler(optimizer)
     grouped = dist.is_initialized()
     net = DistributedDataParallel(model) if grouped else model
     data = TensorDataset(*data_set())

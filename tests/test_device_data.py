@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
+import re
 
 import pytest
 import torch
@@ -241,7 +243,9 @@ def test_a_call_reports_its_steps_and_the_report_counts_training_steps():
             step(data)
     report = step.report()
     assert (report.steps, report.eager_steps, report.replays) == (32, 12, 5)
-    assert "steps/replay=4" in str(report) and "4 steps of DeviceData batches (8, 8)" in str(report)
+    assert "steps/replay=4" in str(report) and re.search(
+        r"4 steps of DeviceData #\d+ batches \(8, 8\)", str(report)
+    )
 
 
 def test_evaluate_between_calls_uses_the_trained_model_and_leaves_the_position():
@@ -331,3 +335,140 @@ def test_a_mapping_device_data_feeds_model_keyword_arguments_as_step_batch_does(
         assert torch.equal(a, b)
     with pytest.raises(ConfigError, match="string keys"):
         DeviceData({0: x}, batch_size=8)
+
+
+# ------------------------------------------------------- schedulers and failures
+def _plain_losses(total, make_scheduler):
+    return workers.plain_loop(total, make_scheduler)["losses"]
+
+
+def _data_losses(total, k, make_scheduler):
+    model, optimizer, _ = workers.model_and_optimizer()
+    scheduler = make_scheduler(optimizer)
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
+    step = TrainStep(
+        model, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, steps_per_replay=k
+    )
+    return torch.cat([step(data).clone() for _ in range(total // k)])
+
+
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.5, total_steps=60, cycle_momentum=False
+        ),
+        lambda opt: torch.optim.lr_scheduler.ChainedScheduler(
+            [
+                torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.97),
+                torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+            ]
+        ),
+        lambda opt: torch.optim.lr_scheduler.SequentialLR(
+            opt,
+            [
+                torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=6),
+                torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30),
+            ],
+            milestones=[6],
+        ),
+    ],
+    ids=["one-cycle", "chained", "sequential"],
+)
+def test_torch_schedulers_step_per_step_inside_a_call_as_in_the_plain_loop(make_scheduler):
+    assert torch.equal(_data_losses(36, 3, make_scheduler), _plain_losses(36, make_scheduler))
+
+
+@pytest.mark.parametrize(
+    "make_scheduler",
+    [
+        lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=60),
+        lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, base_lr=0.01, max_lr=0.1),
+    ],
+    ids=["one-cycle", "cyclic"],
+)
+def test_a_scheduler_that_cycles_momentum_is_refused_naming_the_fix(make_scheduler):
+    with pytest.raises(ConfigError, match=r"cycle_momentum=True\) changes the momentum"):
+        _data_losses(6, 3, make_scheduler)
+
+
+def test_the_lr_tensor_holds_the_schedulers_latest_value_after_a_call():
+    """The CUDA path's LR tensors (here on the CPU): each step reads its own value, and after
+    the call the tensor holds what the scheduler says next, as an eager loop leaves it."""
+    from ddpgraph._schedule import StepwiseLR
+
+    _, optimizer, scheduler = workers.model_and_optimizer()
+    lr = torch.tensor(0.1)
+    optimizer.param_groups[0]["lr"] = lr
+    stepwise = StepwiseLR(optimizer, scheduler, [lr], max_steps=4)
+    stepwise.prepare(4)
+    seen = []
+    for j in range(4):
+        stepwise.apply(j)
+        seen.append(float(lr))
+    stepwise.finish()
+    expected = [0.05 * (1 + math.cos(math.pi * i / 50)) for i in range(5)]
+    assert seen == pytest.approx(expected[:4], rel=1e-6)
+    assert float(lr) == pytest.approx(expected[4], rel=1e-6)
+    assert optimizer.param_groups[0]["lr"] is lr
+
+
+class _FailsOnce(nn.Module):
+    """Records each forward's input; raises on the ``at``-th forward."""
+
+    def __init__(self, net, at):
+        super().__init__()
+        self.net, self.at, self.inputs = net, at, []
+
+    def forward(self, x):
+        self.inputs.append(x.clone())
+        if len(self.inputs) == self.at:
+            raise RuntimeError("boom (an out-of-memory, say)")
+        return self.net(x)
+
+
+def test_a_call_that_fails_midway_leaves_no_batch_or_lr_skipped():
+    model, optimizer, scheduler = workers.model_and_optimizer()
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
+    failing = _FailsOnce(model, at=6)  # the 2nd step of the 2nd call
+    step = TrainStep(
+        failing, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, steps_per_replay=4
+    )
+    step(data)
+    state = (data.epoch, data.position, scheduler.last_epoch, step.report().steps)
+    lr = optimizer.param_groups[0]["lr"]
+    with pytest.raises(RuntimeError, match="boom"):
+        step(data)
+    assert (data.epoch, data.position, scheduler.last_epoch, step.report().steps) == state
+    assert optimizer.param_groups[0]["lr"] == lr
+    step(data)
+    # the retried call starts with the batch the failed one started with
+    assert torch.equal(failing.inputs[6], failing.inputs[4])
+    assert torch.equal(failing.inputs[7], failing.inputs[5])
+
+
+def test_a_second_device_data_gets_no_graph_of_the_first():
+    first = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=1)
+    second = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=2)
+    with fake_graphs():
+        step = _step(steps_per_replay=4)
+        for _ in range(5):
+            step(first)
+        replays = step.report().replays
+        step(second)  # same shapes, other tensors: eager (on_new_shape="eager"), never a replay
+    assert replays > 0 and step.report().replays == replays
+    assert "DeviceData #" in str(step.report())
+
+
+def test_a_scheduler_state_loaded_back_is_accepted():
+    model, optimizer, scheduler = workers.model_and_optimizer()
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
+    step = TrainStep(
+        model, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, steps_per_replay=2
+    )
+    saved = scheduler.state_dict()
+    step(data)
+    step(data)
+    scheduler.load_state_dict(saved)  # rolled back: not a step taken outside
+    step(data)
+    assert scheduler.last_epoch == 2

@@ -31,7 +31,9 @@ class Batch:
     @property
     def signature(self) -> Signature:
         if self.source is not None:
-            return ("data", (f"{self.steps} steps", *self.names), self.source.batch_shapes)
+            # the token: a graph gathers from one DeviceData's tensors, never another's
+            names = (f"{self.steps} steps", f"DeviceData #{self.source.token}", *self.names)
+            return ("data", names, self.source.batch_shapes)
         return (self.kind, self.names, tuple((t.shape, t.dtype, t.device) for t in self.tensors))
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> Batch:
@@ -95,7 +97,7 @@ def describe(signature: Signature) -> str:
     kind, names, leaves = signature
     parts = [f"{tuple(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype, _ in leaves]
     if kind == "data":
-        return f"{names[0]} of DeviceData batches " + ", ".join(parts)
+        return f"{names[0]} of {names[1]} batches " + ", ".join(parts)
     if kind == "mapping":
         parts = [f"{name}: {part}" for name, part in zip(names, parts)]
     return ", ".join(parts)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError
+from .optim import hyperparameters
 
 __all__ = ["StepwiseLR"]
 
@@ -43,7 +44,18 @@ class StepwiseLR:
         if lr_tensors:
             shape = (max_steps, len(lr_tensors))
             self._table = torch.zeros(shape, dtype=torch.float32, device=lr_tensors[0].device)
-        self._last_epoch = self.scheduler.last_epoch if self.scheduler is not None else None
+        self._position = _position(self.scheduler)
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """The scheduler's state before a call, to put back if the call fails."""
+        return None if self.scheduler is None else self.scheduler.state_dict()
+
+    def restore(self, state: dict[str, Any] | None) -> None:
+        """After a failed call: the scheduler as it was, as if the call never happened."""
+        if self.scheduler is None or state is None:
+            return
+        self.scheduler.load_state_dict(state)
+        self._position = _position(self.scheduler)
 
     def prepare(self, steps: int) -> None:
         """Step the scheduler ``steps`` times and stage the LR of each step (one copy)."""
@@ -51,6 +63,7 @@ class StepwiseLR:
             return
         self.check()
         groups = self.optimizer.param_groups
+        others = hyperparameters(self.optimizer)
         held = [group["lr"] for group in groups]
         for group, lr in zip(groups, self.scheduler.get_last_lr()):
             group["lr"] = _as_float(lr)
@@ -62,12 +75,19 @@ class StepwiseLR:
             for _ in range(steps):
                 values.append([float(group["lr"]) for group in groups])
                 self.scheduler.step()
+        if hyperparameters(self.optimizer) != others:
+            raise ConfigError(
+                f"{type(self.scheduler).__name__} changes momentum or betas as well as the LR; "
+                "step(data) stages only the LR of each step of a call, so the other values would "
+                "be a call ahead. Pass cycle_momentum=False, or train with step(x, y) and "
+                "scheduler.step()."
+            )
         if self._lr_tensors is not None:
             for group, lr in zip(groups, held):
                 group["lr"] = lr  # the tensor the graphs read
             self._stage(values)
         self._values = values
-        self._last_epoch = self.scheduler.last_epoch
+        self._position = _position(self.scheduler)
 
     def apply(self, step: int) -> None:
         """Step ``step``'s LR where the optimizer reads it (captured: a device copy)."""
@@ -82,25 +102,34 @@ class StepwiseLR:
             lr.copy_(self._table[step, g])
 
     def finish(self) -> None:
-        """After the call, the groups hold the scheduler's latest LR, as after an eager loop."""
-        if self.scheduler is None or self._lr_tensors is not None:
+        """After the call, the groups hold the scheduler's latest LR, as after an eager loop
+        (with LR tensors: filled after the call's kernels, stream-ordered, no sync), so logs,
+        checkpoints and a later ``step(x, y)`` see it."""
+        if self.scheduler is None:
             return
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = _as_float(lr)
+        latest = [_as_float(lr) for lr in self.scheduler.get_last_lr()]
+        if self._lr_tensors is None:
+            for group, value in zip(self.optimizer.param_groups, latest):
+                group["lr"] = value
+            return
+        for lr, value in zip(self._lr_tensors, latest):
+            lr.fill_(value)
 
     def sync_epoch(self) -> None:
         """Accept the scheduler's count as it is now (after a checkpoint was loaded into it)."""
-        if self.scheduler is not None:
-            self._last_epoch = self.scheduler.last_epoch
+        self._position = _position(self.scheduler)
 
     # ------------------------------------------------------------- internals
     def check(self) -> None:
-        """Raise if the loop stepped the scheduler itself since the last call."""
-        if self.scheduler is None or self.scheduler.last_epoch == self._last_epoch:
+        """Raise if the loop stepped the scheduler itself since the last call; a count that went
+        back (a state loaded into the scheduler) is accepted."""
+        now = _position(self.scheduler)
+        if now is None or self._position is None or now <= self._position:
+            self._position = now
             return
         raise ConfigError(
             f"the LR scheduler was stepped outside the TrainStep (last_epoch "
-            f"{self._last_epoch} -> {self.scheduler.last_epoch}): with step(data) the TrainStep "
+            f"{self._position} -> {now}): with step(data) the TrainStep "
             "steps its scheduler= once per training step itself, so each of the steps in a "
             "replay gets its own LR; remove scheduler.step() from the loop."
         )
@@ -132,13 +161,32 @@ def _stepped_per_step(scheduler: Any) -> Any:
     """
     if scheduler is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         return None
-    if not hasattr(scheduler, "get_last_lr") or not hasattr(scheduler, "last_epoch"):
+    if not all(hasattr(scheduler, name) for name in ("step", "get_last_lr", "state_dict")):
         raise ConfigError(
             f"scheduler={type(scheduler).__name__} is not a torch.optim.lr_scheduler.LRScheduler "
-            "(it needs step(), get_last_lr() and last_epoch), so step(data) cannot step it per "
+            "(it needs step(), get_last_lr() and state_dict()), so step(data) cannot step it per "
             "training step; use one of torch's schedulers or leave it out of scheduler=."
         )
+    if getattr(scheduler, "cycle_momentum", False):
+        raise ConfigError(
+            f"{type(scheduler).__name__}(cycle_momentum=True) changes the momentum every step, "
+            "which step(data) cannot stage per step inside a call; pass cycle_momentum=False, or "
+            "train with step(x, y) and scheduler.step()."
+        )
     return scheduler
+
+
+def _position(scheduler: Any) -> Any:
+    """How far the scheduler has stepped: ``last_epoch``, or its children's for a
+    ChainedScheduler; None where neither exists (no check)."""
+    if scheduler is None:
+        return None
+    if hasattr(scheduler, "last_epoch"):
+        return scheduler.last_epoch
+    children = getattr(scheduler, "_schedulers", None)
+    if children and all(hasattr(c, "last_epoch") for c in children):
+        return tuple(c.last_epoch for c in children)
+    return None
 
 
 def _as_float(value: Any) -> float:

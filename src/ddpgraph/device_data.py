@@ -15,6 +15,7 @@ shuffle=shuffle, seed=seed, drop_last=True), batch_size, drop_last=True)`` with
 
 from __future__ import annotations
 
+import itertools
 import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from torch.utils.data import DistributedSampler
 from .errors import ConfigError
 
 __all__ = ["DeviceData", "fits_on_device"]
+
+_TOKENS = itertools.count()
 
 # The share of the device's free memory a data set may take before ``fits_on_device`` says no:
 # the model, its gradients, optimizer state and activations need the rest.
@@ -97,6 +100,7 @@ class DeviceData:
                 f"rank over {replicas} rank(s): not one batch of batch_size={batch_size}; use a "
                 f"batch_size <= {max(self._sampler.num_samples, 1)} or more data."
             )
+        self.token = next(_TOKENS)  # graphs are keyed by it: each reads this object's tensors
         self.epoch = 0
         self.position = 0  # batches of `epoch` consumed
         # two epochs' orders, so that K steps of one replay may run past an epoch's end
@@ -170,6 +174,11 @@ class DeviceData:
         """The batch :meth:`next_batch` would gather, without advancing (compiling a model)."""
         samples = self._order.index_select(0, self._rows[:1]).view(-1)
         return tuple(_gather(t, samples) for t in self.tensors)
+
+    def rewind(self) -> None:
+        """Put the device cursor back at the host's position (after a call that failed midway
+        had moved it): the next call gathers the batches that call would have."""
+        self._load_window()
 
     def advance(self, batches: int) -> None:
         """The host's count after ``batches`` were gathered on the device (by :meth:`next_batch`).
@@ -331,10 +340,13 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
 
 
 def _device(device: torch.device | str | None, tensors: tuple[torch.Tensor, ...]) -> torch.device:
-    if device is not None:
-        return torch.device(device)
     from .runtime import get_runtime
 
+    if device is not None:
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is None:  # "cuda": the current one, by index
+            chosen = torch.device("cuda", torch.cuda.current_device())
+        return chosen
     rt = get_runtime()
     if rt is not None:
         return rt.device

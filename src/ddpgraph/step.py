@@ -238,7 +238,9 @@ class TrainStep:
             steps its ``scheduler=`` once per training step (each step of a replay gets its own
             LR): the loop must not call ``scheduler.step()``. ``step(data, steps=n)`` runs
             ``n <= steps_per_replay`` steps (a run's last few; a count without a graph of its own
-            runs eagerly).
+            runs eagerly). A graph reads the DeviceData it was captured with; another one is
+            a new input (``on_new_shape``). A call that raises leaves the data position, the
+            scheduler and the step count as they were.
         With ``loss_fn=None`` the loss is the output itself when it is a scalar tensor,
         ``output.loss``, ``output["loss"]``, or the one 0-dim floating tensor of a tuple or list
         output (``(logits, loss)``); anything else is a ``ValueError`` naming what was found.
@@ -374,6 +376,7 @@ class TrainStep:
         self._zeroed = False  # accumulate_calls: gradients zeroed before the first group
         self._call_steps = 1  # training steps in the current call (step(data): up to K)
         self._stepwise: StepwiseLR | None = None  # step(data): the scheduler, stepped per step
+        self._sources: dict[int, DeviceData] = {}  # step(data)'s data, by token
         self._phase = Phase.WARMUP
         plan, reason = self._make_optimizer_graph_safe()
         self._graphs = self._new_graphs(plan, reason)
@@ -419,12 +422,21 @@ class TrainStep:
         batch = data_batch(data, steps)
         stepwise = self._stepwise_lr()
         stepwise.check()  # before anything is counted or stepped
+        # a short call (a run's last steps) is the same data: not a new shape to refuse
+        self._check_shape_policy(data_batch(data, self.options.steps_per_replay).signature)
+        self._sources[data.token] = data  # alive while graphs that read its tensors may exist
         self._call_steps = steps
         self._report.steps += steps
-        self._check_shape_policy(batch.signature)
-        stepwise.prepare(steps)
+        before = stepwise.snapshot()
         try:
+            stepwise.prepare(steps)
             losses: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
+        except BaseException:
+            # as if the call never happened: no batch or LR skipped by the next one
+            stepwise.restore(before)
+            data.rewind()
+            self._report.steps -= steps
+            raise
         finally:
             stepwise.finish()
         data.advance(steps)
@@ -505,6 +517,7 @@ class TrainStep:
         if self._graphs is not None:
             self._graphs.close()
         self.output = None
+        self._sources.clear()
         self._phase = Phase.CLOSED
 
     def bare_graph(self) -> torch.cuda.CUDAGraph | None:
