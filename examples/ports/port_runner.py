@@ -254,10 +254,12 @@ def run(
     interpreter exit (``TEARDOWN_ABORT``) is run once more, from scratch, and says so in
     ``retried``; any other failure, or a second abort, is the result.
     """
-    result = _run_once(port, variant, workdir, nproc, mode, timeout, skip, env, extra)
+    argv = command(port, variant, nproc, mode, extra)
+    variables = environment(port, workdir / "losses.json", env)
+    result = _run_once(port, variant, workdir, argv, variables, timeout, skip)
     if result.error is not None and TEARDOWN_ABORT in (result.stderr_tail or ""):
         first = result.error
-        result = _run_once(port, variant, workdir, nproc, mode, timeout, skip, env, extra)
+        result = _run_once(port, variant, workdir, argv, variables, timeout, skip)
         result.retried = f"the first run died at exit ({TEARDOWN_ABORT}): {first}"
     return result
 
@@ -266,13 +268,12 @@ def _run_once(
     port: Port,
     variant: str,
     workdir: Path,
-    nproc: int,
-    mode: str,
+    argv: list[str],
+    variables: dict[str, str],
     timeout: float,
     skip: int,
-    env: dict[str, str] | None,
-    extra: Sequence[str],
 ) -> Result:
+    """One run of ``argv`` in a fresh ``workdir`` (the port's files put in again)."""
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
@@ -283,9 +284,9 @@ def _run_once(
     result = Result(port.name, variant, None, 0.0)
     try:
         proc = subprocess.run(
-            command(port, variant, nproc, mode, extra),
+            argv,
             cwd=workdir,
-            env=environment(port, losses, env),
+            env=variables,
             capture_output=True,
             text=True,
             timeout=timeout,

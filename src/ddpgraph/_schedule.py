@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .data import upload_into
 from .errors import ConfigError
 from .optim import hyperparameters
 
@@ -143,14 +144,7 @@ class StepwiseLR:
 
     def _stage(self, values: list[list[float]]) -> None:
         assert self._table is not None
-        host = torch.tensor(values, dtype=torch.float32)
-        rows = self._table[: host.shape[0]]
-        if rows.device.type != "cuda":
-            rows.copy_(host)
-            return
-        # from pinned memory, so the copy does not wait for the stream to drain; torch's pinned
-        # memory cache hands the buffer out again only after this copy has run
-        rows.copy_(host.pin_memory(), non_blocking=True)
+        upload_into(self._table[: len(values)], torch.tensor(values, dtype=torch.float32))
 
 
 def _stepped_per_step(scheduler: Any) -> Any:

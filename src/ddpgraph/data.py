@@ -91,8 +91,14 @@ def pad_batch(
 
 
 def _check_positive_int(name: str, value: object, *, fix: str) -> None:
-    if not _is_int(value) or value < 1:  # type: ignore[operator]
-        raise ConfigError(f"{name}={value!r} must be an integer >= 1; {fix}.")
+    check_int(name, value, minimum=1, fix=fix)
+
+
+def check_int(name: str, value: object, *, minimum: int | None, fix: str) -> None:
+    """An integer option (not a bool) of at least ``minimum``; ``ConfigError`` naming it."""
+    if not _is_int(value) or (minimum is not None and value < minimum):  # type: ignore[operator]
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ConfigError(f"{name}={value!r} must be an integer{bound}; {fix}.")
 
 
 def _check_dim(dim: object) -> None:
@@ -462,6 +468,15 @@ def _stage(batch: B, stream: torch.cuda.Stream, device: torch.device) -> tuple[B
         copied = torch.cuda.Event()
         copied.record(stream)
     return moved, copied
+
+
+def upload_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy host ``source`` into device ``target`` without stalling the stream: from pinned
+    memory, non_blocking (the host allocator keeps the pinned block until the copy has run)."""
+    if target.device.type != "cuda":
+        target.copy_(source)
+        return
+    target.copy_(source if source.is_pinned() else source.pin_memory(), non_blocking=True)
 
 
 def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

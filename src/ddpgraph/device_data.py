@@ -16,7 +16,6 @@ shuffle=shuffle, seed=seed, drop_last=True), batch_size, drop_last=True)`` with
 from __future__ import annotations
 
 import itertools
-import numbers
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from .data import check_int, upload_into
 from .errors import ConfigError
 
 __all__ = ["DeviceData", "fits_on_device"]
@@ -72,8 +72,8 @@ class DeviceData:
     ) -> None:
         self.kind, self.names, values = _named(tensors)
         _check_tensors(values)
-        _check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=64")
-        _check_int("seed", seed, minimum=None, fix="e.g. seed=0")
+        check_int("batch_size", batch_size, minimum=1, fix="e.g. batch_size=64")
+        check_int("seed", seed, minimum=None, fix="e.g. seed=0")
         for name, flag in (("shuffle", shuffle), ("channels_last", channels_last)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name}={flag!r} must be True or False.")
@@ -101,6 +101,10 @@ class DeviceData:
                 f"batch_size <= {max(self._sampler.num_samples, 1)} or more data."
             )
         self.token = next(_TOKENS)  # graphs are keyed by it: each reads this object's tensors
+        # each gathered tensor's shape, dtype and device: what a step's graph is captured for
+        self.batch_shapes = tuple(
+            (torch.Size((batch_size, *t.shape[1:])), t.dtype, t.device) for t in self.tensors
+        )
         self.epoch = 0
         self.position = 0  # batches of `epoch` consumed
         # two epochs' orders, so that K steps of one replay may run past an epoch's end
@@ -125,14 +129,7 @@ class DeviceData:
     @property
     def nbytes(self) -> int:
         """Device memory the data set takes (the orders besides: two epochs of int64 indices)."""
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-    @property
-    def batch_shapes(self) -> tuple[tuple[torch.Size, torch.dtype, torch.device], ...]:
-        """Each gathered tensor's shape, dtype and device: what a step's graph is captured for."""
-        return tuple(
-            (torch.Size((self.batch_size, *t.shape[1:])), t.dtype, t.device) for t in self.tensors
-        )
+        return nbytes_of(self.tensors)
 
     def __repr__(self) -> str:
         shapes = ", ".join(
@@ -160,7 +157,7 @@ class DeviceData:
         host's count moves with :meth:`advance`, once the call that consumed the batches is over.
         Each batch is a view of one gathered tensor: a few kernels per call, not per step.
         """
-        samples = self._order.index_select(0, self._rows[:k]).view(-1)
+        samples = self._samples(k)
         self._rows.add_(k)
         gathered = [_gather(t, samples) for t in self.tensors]
         size = self.batch_size
@@ -172,8 +169,7 @@ class DeviceData:
 
     def peek(self) -> tuple[torch.Tensor, ...]:
         """The batch :meth:`next_batch` would gather, without advancing (compiling a model)."""
-        samples = self._order.index_select(0, self._rows[:1]).view(-1)
-        return tuple(_gather(t, samples) for t in self.tensors)
+        return tuple(_gather(t, self._samples(1)) for t in self.tensors)
 
     def rewind(self) -> None:
         """Put the device cursor back at the host's position (after a call that failed midway
@@ -238,13 +234,17 @@ class DeviceData:
         self._load_window()
 
     # ------------------------------------------------------------- internals
+    def _samples(self, k: int) -> torch.Tensor:
+        """The sample indices of the next ``k`` batches, read at the device cursor."""
+        return self._order.index_select(0, self._rows[:k]).view(-1)
+
     def _load_window(self) -> None:
         """Put this epoch's and the next one's orders on the device and the cursor at position."""
         window = (self.epoch, self.epoch + 1)
         self._orders = {
             e: self._orders[e] if e in self._orders else self.indices(e) for e in window
         }
-        _upload(self._order, torch.cat([self._orders[e] for e in window]))
+        upload_into(self._order, torch.cat([self._orders[e] for e in window]))
         # a kernel with the bounds as arguments: no copy, no sync
         torch.arange(self.position, self.position + len(self._rows), out=self._rows)
 
@@ -264,13 +264,9 @@ def _gather(tensor: torch.Tensor, samples: torch.Tensor) -> torch.Tensor:
     return tensor.index_select(0, samples)
 
 
-def _upload(target: torch.Tensor, source: torch.Tensor) -> None:
-    """A host-to-device copy that does not stall the stream: from pinned memory, which torch's
-    pinned-memory cache hands out again only after the copy has run (as ``prefetch`` relies on)."""
-    if target.device.type != "cuda":
-        target.copy_(source)
-        return
-    target.copy_(source.pin_memory(), non_blocking=True)
+def nbytes_of(tensors: Any) -> int:
+    """The memory ``tensors`` take: what a DeviceData of them holds on its device."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def fits_on_device(nbytes: int, device: torch.device, fraction: float = FIT_FRACTION) -> bool:
@@ -319,21 +315,14 @@ def _check_tensors(tensors: tuple[Any, ...]) -> None:
         )
 
 
-def _check_int(name: str, value: object, *, minimum: int | None, fix: str) -> None:
-    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if not ok or (minimum is not None and value < minimum):  # type: ignore[operator]
-        bound = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(f"{name}={value!r} must be an integer{bound}; {fix}.")
-
-
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     grouped = dist.is_available() and dist.is_initialized()
     replicas = (
         num_replicas if num_replicas is not None else (dist.get_world_size() if grouped else 1)
     )
     rank = rank if rank is not None else (dist.get_rank() if grouped else 0)
-    _check_int("num_replicas", replicas, minimum=1, fix="the number of ranks")
-    _check_int("rank", rank, minimum=0, fix="this process's rank")
+    check_int("num_replicas", replicas, minimum=1, fix="the number of ranks")
+    check_int("rank", rank, minimum=0, fix="this process's rank")
     if rank >= replicas:
         raise ConfigError(f"rank={rank} must be below num_replicas={replicas}.")
     return replicas, rank

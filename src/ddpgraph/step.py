@@ -412,7 +412,7 @@ class TrainStep:
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._call_steps = 1
         self._report.steps += 1
-        self._check_shape_policy(batch.signature)
+        self._check_shape_policy(batch)
         loss: torch.Tensor = self._run_watched(self._watch_phase(), self._step, batch)
         self._call_in_group = (self._call_in_group + 1) % self.options.accumulate_calls
         return loss
@@ -423,7 +423,7 @@ class TrainStep:
         stepwise = self._stepwise_lr()
         stepwise.check()  # before anything is counted or stepped
         # a short call (a run's last steps) is the same data: not a new shape to refuse
-        self._check_shape_policy(data_batch(data, self.options.steps_per_replay).signature)
+        self._check_shape_policy(data_batch(data, self.options.steps_per_replay))
         self._sources[data.token] = data  # alive while graphs that read its tensors may exist
         self._call_steps = steps
         self._report.steps += steps
@@ -634,11 +634,12 @@ class TrainStep:
                 "build a new TrainStep to keep training."
             )
 
-    def _check_shape_policy(self, signature: Signature) -> None:
+    def _check_shape_policy(self, batch: Batch) -> None:
         """on_new_shape="error", on every device: the signature must stay the captured one."""
         warmup_calls = self._warmup * self.options.accumulate_calls
         if self.options.on_new_shape != "error" or self._report.steps <= warmup_calls:
-            return
+            return  # before the signature is built: this runs on every call
+        signature = batch.signature
         if self._reference is None:
             self._reference = signature
         elif signature != self._reference:
@@ -965,14 +966,16 @@ class TrainStep:
 
     def _steps_from(self, data: DeviceData, steps: int) -> tuple[torch.Tensor, Any]:
         """``steps`` whole training steps, each on the next batch gathered from ``data`` on the
-        device with its own LR; their losses as one tensor, and the last step's output."""
+        device with its own LR; their losses as one tensor, and the last step's output. The LR
+        is copied from the device table a replay re-reads (not filled with a captured value)."""
         assert self._stepwise is not None
         losses: list[torch.Tensor] = []
         output: Any = None
         for j, tensors in enumerate(data.next_batches(steps)):
             self._stepwise.apply(j)
-            gathered = tuple(self._to_device(t) for t in tensors)  # channels_last, if asked
-            loss, output = self._body(gathered_batch(data, gathered))
+            batch = gathered_batch(data, tensors)
+            # channels_last, if asked (a no-op for data stored channels_last)
+            loss, output = self._body(batch.with_tensors(self._to_device_all(batch)))
             losses.append(loss)
         return torch.stack(losses), output
 

@@ -33,7 +33,7 @@ import ddpgraph
 
 from .._debug import REPORTED, debug_requested
 from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
-from ..device_data import DeviceData, fits_on_device
+from ..device_data import DeviceData, fits_on_device, nbytes_of
 from ..errors import ConfigError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
@@ -233,7 +233,7 @@ class _Feed:
 
     def __init__(self, config: TrainConfig, rt: ddpgraph.Runtime) -> None:
         data = _dataset(config, split="train")
-        nbytes = sum(t.numel() * t.element_size() for t in data.tensors)
+        nbytes = nbytes_of(data.tensors)
         wanted = config.data
         if wanted == "auto":
             # every rank takes the same feed: free memory can differ between GPUs
@@ -257,7 +257,7 @@ class _Feed:
                 f"{self.steps_per_call} steps a call"
             )
         else:
-            loader = _loader(config, rt, split="train")
+            loader = _loader(data, config, rt, split="train")
             # prefetch inside: the loader counts what the step consumed, not what was copied ahead
             self.batches = ResumableLoader(
                 ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader)
@@ -339,8 +339,9 @@ def _dataset(config: TrainConfig, *, split: str) -> TensorDataset:
     )
 
 
-def _loader(config: TrainConfig, rt: ddpgraph.Runtime, *, split: str) -> DataLoader:
-    data = _dataset(config, split=split)
+def _loader(
+    data: TensorDataset, config: TrainConfig, rt: ddpgraph.Runtime, *, split: str
+) -> DataLoader:
     sampler: DistributedSampler[Any] = DistributedSampler(
         data,
         num_replicas=rt.world_size,
@@ -393,8 +394,9 @@ class _LossLog:
 
     def add(self, loss: torch.Tensor) -> None:
         """One step's loss, or a call's losses (step(data): one per step)."""
-        self._sum += loss.detach().sum()  # the graph overwrites `loss` next call: fold it in now
-        self._count += loss.numel()
+        values = loss.detach()  # the graph overwrites `loss` next call: fold it in now
+        self._sum += values.sum() if values.dim() else values  # no extra kernel for one loss
+        self._count += values.numel()
 
     def read(self) -> float:
         if self._count:
@@ -408,7 +410,8 @@ def _evaluate(step: TrainStep, config: TrainConfig, rt: ddpgraph.Runtime) -> flo
     """Accuracy on this rank's share of the eval split, through the step's (graphed) evaluate."""
     correct = torch.zeros((), dtype=torch.long, device=rt.device)
     total = 0
-    for x, y in ddpgraph.prefetch(_loader(config, rt, split="eval"), rt.device):
+    loader = _loader(_dataset(config, split="eval"), config, rt, split="eval")
+    for x, y in ddpgraph.prefetch(loader, rt.device):
         logits = step.evaluate(x)  # graph-owned: use it before the next evaluate
         correct += (logits.argmax(dim=1) == y).sum()
         total += len(y)
