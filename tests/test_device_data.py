@@ -472,3 +472,45 @@ def test_a_scheduler_state_loaded_back_is_accepted():
     scheduler.load_state_dict(saved)  # rolled back: not a step taken outside
     step(data)
     assert scheduler.last_epoch == 2
+
+
+def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop():
+    """A real model fed the way its users feed it: GPT-2 (transformers) on token ids with an
+    attention mask and -100 labels on the padding, K=4 steps per call, against the loop a
+    script writes (``loss = model(**batch).loss``) over the same batches."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(100, (64, 16), generator=gen)
+    lengths = torch.randint(4, 17, (64,), generator=gen)
+    mask = (torch.arange(16) < lengths[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    columns = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2,
+                                         n_head=2)  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, optimizer, torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=24)
+
+    model, optimizer, scheduler = build()
+    data = DeviceData(columns, batch_size=8, seed=1)
+    with fake_graphs():
+        step = TrainStep(model, optimizer, scheduler=scheduler, steps_per_replay=4)
+        ours = torch.cat([step(data).clone() for _ in range(6)])
+    assert step.report().mode == "graphed", str(step.report())
+
+    reference, ref_optimizer, ref_scheduler = build()
+    plain = DeviceData(columns, batch_size=8, seed=1)
+    theirs = []
+    for batch in itertools.islice(itertools.chain(plain, plain, plain), 24):
+        ref_optimizer.zero_grad()
+        loss = reference(**batch).loss
+        loss.backward()
+        ref_optimizer.step()
+        ref_scheduler.step()
+        theirs.append(loss.detach())
+    assert torch.equal(ours, torch.stack(theirs))
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
