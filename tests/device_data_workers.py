@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -13,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from ddpgraph import ConfigError, DeviceData, TrainStep
-from ddpgraph._fake_graphs import fake_graphs
+from ddpgraph.testing import CpuGraphs
 
 SAMPLES, BATCH, SEED = 100, 8, 3
 
@@ -35,17 +34,21 @@ def device_data_run(k: int, total: int, fake: bool) -> dict[str, Any]:
     """``total`` steps through ``step(data)``, ``k`` per call (the last call takes the rest)."""
     model, optimizer, scheduler = model_and_optimizer()
     data = DeviceData(*data_set(), batch_size=BATCH, seed=SEED)
-    with fake_graphs() if fake else contextlib.nullcontext():
-        step = TrainStep(
-            model, optimizer, nn.CrossEntropyLoss(), scheduler=scheduler, steps_per_replay=k
-        )
-        losses, done = [], 0
-        while done < total:
-            n = min(k, total - done)
-            out = step(data, steps=n)
-            assert out.shape == (n,)
-            losses.append(out.clone())
-            done += n
+    step = TrainStep(
+        model,
+        optimizer,
+        nn.CrossEntropyLoss(),
+        scheduler=scheduler,
+        steps_per_replay=k,
+        engine=CpuGraphs() if fake else None,
+    )
+    losses, done = [], 0
+    while done < total:
+        n = min(k, total - done)
+        out = step(data, steps=n)
+        assert out.shape == (n,)
+        losses.append(out.clone())
+        done += n
     report = step.report()
     return {
         "losses": torch.cat(losses),

@@ -101,13 +101,14 @@ def evaluate_sees_rank0_buffers(steps: int) -> dict:
 
 def one_rank_fails_capture(steps: int) -> dict:
     """Rank 1's first capture fails (the fake engine): every rank must end eager, in step."""
-    from ddpgraph._fake_graphs import fake_graphs
+    from ddpgraph.testing import CpuGraphs
 
     rank = torch.distributed.get_rank()
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with fake_graphs(fail=lambda key: rank == 1):
-        step = TrainStep(model, opt, nn.CrossEntropyLoss())
+    step = TrainStep(
+        model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(fail=lambda key: rank == 1)
+    )
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:
@@ -125,7 +126,7 @@ def one_rank_fails_capture(steps: int) -> dict:
 
 
 def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
-    from ddpgraph._fake_graphs import fake_graphs
+    from ddpgraph.testing import CpuGraphs
 
     rank = torch.distributed.get_rank()
     out = {}
@@ -133,8 +134,7 @@ def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
         model = make_model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if engine == "fake":
-            with fake_graphs():
-                step = TrainStep(model, opt, nn.CrossEntropyLoss())
+            step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs())
         else:
             step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never")
         for x, y in batches(steps, 8, seed=3):
@@ -165,20 +165,20 @@ def accumulate_calls_vs_no_sync(k: int, steps: int, fake: bool) -> dict:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ddpgraph._fake_graphs import fake_graphs
+    from ddpgraph.testing import CpuGraphs
 
     rank = torch.distributed.get_rank()
     data = batches(steps * k, 4, seed=20 + rank)
     torch.manual_seed(0)
     model = Dropout()
-    with fake_graphs() if fake else contextlib.nullcontext():
-        step = TrainStep(
-            model,
-            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-            nn.CrossEntropyLoss(),
-            accumulate_calls=k,
-            clip_grad_norm=1.0,
-        )
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        nn.CrossEntropyLoss(),
+        accumulate_calls=k,
+        clip_grad_norm=1.0,
+        engine=CpuGraphs() if fake else None,
+    )
     torch.manual_seed(5)
     ours = [float(step(x, y)) for x, y in data]
 

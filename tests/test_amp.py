@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_amp_takes_the_spellings_people_use(amp, dtype):
     model = make_model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.Linear(1, 1), amp=amp)
-    assert step._amp_dtype is dtype
+    assert step._precision.dtype is dtype
     assert (step.loss_scale is not None) == (dtype is torch.float16)
 
 

@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from ddpgraph import CaptureError, TrainStep
-from ddpgraph._fake_graphs import fake_graphs
 from ddpgraph.step import Phase
-from ddpgraph.testing import run_distributed
+from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import step_workers
 from .step_workers import batches, make_model
@@ -26,8 +25,7 @@ WARMUP = 12
 def build(fail=lambda key: False, model=None, opt=None, **kwargs):
     model = model if model is not None else make_model()
     opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    with fake_graphs(fail=fail):
-        step = TrainStep(model, opt, nn.CrossEntropyLoss(), **kwargs)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), **kwargs, engine=CpuGraphs(fail=fail))
     return step, model
 
 
@@ -127,7 +125,9 @@ def test_a_failed_first_capture_falls_back_for_good_with_the_reason():
 
 def test_a_failed_later_capture_runs_that_shape_eagerly_and_keeps_the_rest_graphed():
     data = batches(16, 8) + batches(3, 4, seed=5) + batches(3, 8, seed=6)
-    step, model = build(fail=lambda key: key[2][2][0][0] == (4, 8), on_new_shape="capture")
+    step, model = build(
+        fail=lambda key: key.signature.leaves[0].shape == (4, 8), on_new_shape="capture"
+    )
     train(step, model, data)
     report = step.report()
     assert step.phase is Phase.GRAPHED and report.replays == 16 - WARMUP + 3, str(report)

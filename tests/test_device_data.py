@@ -13,8 +13,7 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, TensorDataset
 
 from ddpgraph import ConfigError, DeviceData, TrainStep
-from ddpgraph._fake_graphs import fake_graphs
-from ddpgraph.testing import run_distributed
+from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import device_data_workers as workers
 
@@ -237,10 +236,9 @@ def test_calls_that_do_not_fit_the_options_are_refused():
 
 def test_a_call_reports_its_steps_and_the_report_counts_training_steps():
     data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
-    with fake_graphs():
-        step = _step(steps_per_replay=4)
-        for _ in itertools.repeat(None, 8):
-            step(data)
+    step = _step(steps_per_replay=4, engine=CpuGraphs())
+    for _ in itertools.repeat(None, 8):
+        step(data)
     report = step.report()
     assert (report.steps, report.eager_steps, report.replays) == (32, 12, 5)
     assert "steps/replay=4" in str(report) and re.search(
@@ -250,16 +248,15 @@ def test_a_call_reports_its_steps_and_the_report_counts_training_steps():
 
 def test_evaluate_between_calls_uses_the_trained_model_and_leaves_the_position():
     data = DeviceData(*workers.data_set(), batch_size=workers.BATCH)
-    with fake_graphs():
-        step = _step(steps_per_replay=4)
-        x, _ = data.peek()
-        for _ in range(6):  # warm-up, capture, replays
-            step(data)
-            position = (data.epoch, data.position)
-            out = step.evaluate(x).clone()
-            with torch.no_grad():
-                assert torch.equal(out, step.model(x))
-            assert (data.epoch, data.position) == position
+    step = _step(steps_per_replay=4, engine=CpuGraphs())
+    x, _ = data.peek()
+    for _ in range(6):  # warm-up, capture, replays
+        step(data)
+        position = (data.epoch, data.position)
+        out = step.evaluate(x).clone()
+        with torch.no_grad():
+            assert torch.equal(out, step.model(x))
+        assert (data.epoch, data.position) == position
     assert step.report().mode == "graphed" and step.report().evaluations == 6
 
 
@@ -278,16 +275,16 @@ def test_each_step_of_a_multi_step_call_keeps_the_step_options(options):
     def run(k, options=options):
         model, optimizer, scheduler = workers.model_and_optimizer()
         data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
-        with fake_graphs():
-            step = TrainStep(
-                model,
-                optimizer,
-                nn.CrossEntropyLoss(),
-                scheduler=scheduler,
-                steps_per_replay=k,
-                **options,
-            )
-            losses = torch.cat([step(data).clone() for _ in range(24 // k)])
+        step = TrainStep(
+            model,
+            optimizer,
+            nn.CrossEntropyLoss(),
+            scheduler=scheduler,
+            steps_per_replay=k,
+            **options,
+            engine=CpuGraphs(),
+        )
+        losses = torch.cat([step(data).clone() for _ in range(24 // k)])
         return losses, [p.detach().clone() for p in model.parameters()], step.report()
 
     three, one, without = run(3), run(1), run(3, {})
@@ -314,9 +311,8 @@ def test_a_mapping_device_data_feeds_model_keyword_arguments_as_step_batch_does(
     model, optimizer = build()
     data = DeviceData({"inputs": x, "labels": y}, batch_size=8, seed=4)
     assert data.kind == "mapping" and data.names == ("inputs", "labels")
-    with fake_graphs():
-        step = TrainStep(model, optimizer, steps_per_replay=3)
-        ours = torch.cat([step(data).clone() for _ in range(10)])
+    step = TrainStep(model, optimizer, steps_per_replay=3, engine=CpuGraphs())
+    ours = torch.cat([step(data).clone() for _ in range(10)])
     assert step.report().mode == "graphed"
 
     reference, ref_optimizer = build()
@@ -395,7 +391,7 @@ def test_a_scheduler_that_cycles_momentum_is_refused_naming_the_fix(make_schedul
 def test_the_lr_tensor_holds_the_schedulers_latest_value_after_a_call():
     """The CUDA path's LR tensors (here on the CPU): each step reads its own value, and after
     the call the tensor holds what the scheduler says next, as an eager loop leaves it."""
-    from ddpgraph._schedule import StepwiseLR
+    from ddpgraph.step.feed import StepwiseLR
 
     _, optimizer, scheduler = workers.model_and_optimizer()
     lr = torch.tensor(0.1)
@@ -450,12 +446,11 @@ def test_a_call_that_fails_midway_leaves_no_batch_or_lr_skipped():
 def test_a_second_device_data_gets_no_graph_of_the_first():
     first = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=1)
     second = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=2)
-    with fake_graphs():
-        step = _step(steps_per_replay=4)
-        for _ in range(5):
-            step(first)
-        replays = step.report().replays
-        step(second)  # same shapes, other tensors: eager (on_new_shape="eager"), never a replay
+    step = _step(steps_per_replay=4, engine=CpuGraphs())
+    for _ in range(5):
+        step(first)
+    replays = step.report().replays
+    step(second)  # same shapes, other tensors: eager (on_new_shape="eager"), never a replay
     assert replays > 0 and step.report().replays == replays
     assert "DeviceData #" in str(step.report())
 
@@ -496,9 +491,8 @@ def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop()
 
     model, optimizer, scheduler = build()
     data = DeviceData(columns, batch_size=8, seed=1)
-    with fake_graphs():
-        step = TrainStep(model, optimizer, scheduler=scheduler, steps_per_replay=4)
-        ours = torch.cat([step(data).clone() for _ in range(6)])
+    step = TrainStep(model, optimizer, scheduler=scheduler, steps_per_replay=4, engine=CpuGraphs())
+    ours = torch.cat([step(data).clone() for _ in range(6)])
     assert step.report().mode == "graphed", str(step.report())
 
     reference, ref_optimizer, ref_scheduler = build()

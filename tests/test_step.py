@@ -8,7 +8,7 @@ from torch import nn
 
 from ddpgraph import CaptureError, ConfigError, TrainStep
 from ddpgraph.facts import ddp_count_allows_capture
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 from ddpgraph.testing import run_distributed
 
 from . import step_workers
@@ -193,7 +193,7 @@ def test_warmup_is_raised_to_a_capturable_count(requested, planned):
     step = TrainStep(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), warmup=requested
     )
-    assert step._warmup == planned
+    assert step._policy.warmup == planned
 
 
 def test_optimizers_are_made_graph_safe_or_refused():
@@ -442,7 +442,7 @@ def test_warnings_point_at_the_users_line():
     model = make_model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     with pytest.warns(UserWarning, match="continues eagerly") as record:
-        step._warn_or_raise("a reason")
+        step._policy.warn_or_raise("a reason")
     assert record[0].filename == __file__
 
 

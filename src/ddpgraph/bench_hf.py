@@ -23,8 +23,8 @@ import torch
 from . import runtime
 from .bench import _fresh, _step_times, _summary, _write_json, environment
 from .data import pad_batch
-from .optim import make_graph_safe
 from .step import TrainStep
+from .step.optim import make_graph_safe
 
 Batch = dict[str, torch.Tensor]
 

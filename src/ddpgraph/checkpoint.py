@@ -45,8 +45,8 @@ from torch import nn
 from ._globals import Global, process_global
 from ._log import get_logger
 from .errors import ConfigError
-from .optim import restore_identities, tensor_slots
 from .runtime import on_shutdown
+from .step.optim import restore_identities, tensor_slots
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -954,11 +954,7 @@ def _few(keys: list[str], limit: int = 4) -> str:
 
 def _train_step_counters(train_step: Any) -> dict[str, Any]:
     """What a TrainStep holds besides model and optimizer: its step count, fp16's scale."""
-    counters: dict[str, Any] = {"steps": train_step.report().steps}
-    scaler = train_step.state_dict().get("scaler")
-    if scaler is not None:
-        counters["scaler"] = scaler
-    return counters
+    return dict(train_step.extra_state())
 
 
 def _apply(
@@ -980,13 +976,9 @@ def _apply(
     if parts.scheduler is not None:
         parts.scheduler.load_state_dict(_opened(state["scheduler"]))
     if parts.train_step is not None:
-        # TrainStep's own in-place load: re-reads the optimizer's LR tensors and replay guard
-        own = parts.train_step.state_dict()
-        saved = _opened(state["train_step"])
-        own["steps"] = int(saved["steps"])
-        if "scaler" in saved:  # fp16's loss scale
-            own["scaler"] = saved["scaler"]
-        parts.train_step.load_state_dict(own)
+        # after the in-place loads: the graphs re-read the optimizer's LR tensors, the feed the
+        # scheduler's count, fp16 its loss scale
+        parts.train_step.load_extra_state(_opened(state["train_step"]))
     if parts.loader is not None:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
     _set_rng_state(_opened(state["rng"][f"rank{rank}"]))

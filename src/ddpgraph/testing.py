@@ -3,6 +3,11 @@
 ``run_distributed(fn, 2)`` starts two processes with torchrun's environment variables set, runs
 ``fn`` inside ``ddpgraph.init()`` on each, and returns the ranks' results in rank order. A worker's
 exception comes back with its rank and traceback; a hang is killed at ``timeout``.
+
+``TrainStep(..., engine=CpuGraphs())`` runs a TrainStep's real capture policy (warm-up, capture,
+agreement, replay, fallback, the replay guard) on the CPU, where no CUDA graph exists: a CPU test
+of a training loop then takes the path the GPU run takes. ``CpuGraphs(fail=lambda key: ...)``
+makes chosen captures fail.
 """
 
 from __future__ import annotations
@@ -19,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .step.cpu_graphs import CpuGraphs
 
-__all__ = ["WorkerError", "WorkerTimeout", "run_distributed"]
+__all__ = ["CpuGraphs", "WorkerError", "WorkerTimeout", "run_distributed"]
 
 # Time the other workers get to finish on their own once one has failed; most then fail too,
 # and their errors are worth reporting, but a peer blocked in a collective must not stall the test.

@@ -8,7 +8,7 @@ from torch import nn
 
 from ddpgraph import TrainStep
 from ddpgraph.demo.models import build_model
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 
 SHAPES = {"mlp": (64,), "resnet": (3, 16, 16), "transformer": (16, 32)}
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddpgraph import TrainStep
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 
 from .test_step_gpu import make_batches, transformer
 

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpgraph._graphs import _release_rng_from_failed_capture
 from ddpgraph.errors import explain_exception
+from ddpgraph.step.graphs import _release_rng_from_failed_capture
 
 
 def _capture_error(step: Callable[[], object], stream: torch.cuda.Stream) -> BaseException:

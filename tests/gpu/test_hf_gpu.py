@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddpgraph.bench_hf import ARCHITECTURES, HEADLINE, masked_batches
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 
 transformers = pytest.importorskip("transformers")
 

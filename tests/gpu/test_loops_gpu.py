@@ -52,7 +52,7 @@ def _interleaved(model_fn, opt_fn, batches, eval_batches, *, graph):
     model = model_fn().cuda()
     opt = opt_fn(model.parameters())
     if graph == "never":
-        ddpgraph.optim.make_graph_safe(opt, torch.device("cuda"))
+        ddpgraph.step.optim.make_graph_safe(opt, torch.device("cuda"))
     step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph)
     outputs = []
     for i, batch in enumerate(batches):
@@ -116,7 +116,7 @@ def _train_lm(model_fn, batches, *, graph):
     model = model_fn().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     if graph == "never":
-        ddpgraph.optim.make_graph_safe(opt, torch.device("cuda"))
+        ddpgraph.step.optim.make_graph_safe(opt, torch.device("cuda"))
     step = TrainStep(model, opt, graph=graph, on_new_shape="capture")
     torch.manual_seed(1)
     losses = [step(batch).clone() for batch in batches]
@@ -179,7 +179,7 @@ def test_timm_vit_graphed_is_within_eager_noise(rt):
 
 
 def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
-    stream = ddpgraph.step._capture_stream(torch.device("cuda"))
+    stream = ddpgraph.step.graphs.capture_stream(torch.device("cuda"))
     with torch.cuda.stream(stream):  # its cuBLAS workspace lives as long as the process
         torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     torch.cuda.synchronize()
@@ -220,6 +220,6 @@ def test_an_eval_of_a_new_shape_between_replays_leaves_training_bitwise(rt):
     step = graphed["step"]
     for _ in range(3):
         out = step.evaluate(probe)
-    model = copy.deepcopy(ddpgraph.step._unwrap(step.model)).eval()
+    model = copy.deepcopy(ddpgraph.step.parallel.unwrap(step.model)).eval()
     with torch.no_grad():
         assert torch.equal(out, model(probe))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddpgraph import TrainStep
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 
 from .test_step_gpu import REPLAYS, adamw, assert_bitwise, make_batches, mlp, resnet, sgd
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ddpgraph import CaptureError, TrainStep
 from ddpgraph.demo.models import build_model
-from ddpgraph.optim import make_graph_safe
+from ddpgraph.step.optim import make_graph_safe
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,9 +1,11 @@
 """The CUDA graphs of one TrainStep, and everything they read: one owner, ``capture``/``replay``.
 
-:class:`Graphs` owns the capture stream, the memory pool, each graph's static inputs and outputs,
-the optimizer's LR tensors (through the graph-safe plan), the replay guard and the hooks run
-after a replay (the watchdog registers one). TrainStep keeps the policy: when to capture, what
-to do when a capture fails, which key a batch has.
+:class:`Graphs` owns the memory pool, each graph's static inputs and outputs, the optimizer's LR
+tensors (through the graph-safe plan), the replay guard and the hooks run after a replay (the
+watchdog registers one). The policy keeps the rest: when to capture, what to do when a capture
+fails, which key a batch has. The engine that makes a TrainStep's Graphs is passed in:
+:data:`CUDA_GRAPHS` on CUDA, or the CPU stand-in (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`)
+that drives the real policy in CI.
 
 Training and evaluation graphs share the pool (as Megatron does): the step never runs two of them
 at once (they replay on one stream) and every graph's outputs stay allocated while the graph
@@ -12,32 +14,120 @@ lives, so a later capture can only reuse memory that earlier graphs use as scrat
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from ._batch import Batch
-from ._frames import PACKAGE_DIR
-from .errors import CaptureError, explain_exception
-from .optim import GraphSafeOptimizer, hyperparameters, restore_identities, tensor_slots
+from .._frames import PACKAGE_DIR
+from .._globals import Global, process_global
+from ..errors import CaptureError, explain_exception
+from .batch import Batch, GraphKey, Role
+from .optim import (
+    GraphSafeOptimizer,
+    hyperparameters,
+    make_graph_safe,
+    plan_graph_safety,
+    restore_identities,
+    tensor_slots,
+)
 
-__all__ = ["CapturedGraph", "Graphs", "GuardFindings", "ReplayGuard", "first_capture_error"]
+__all__ = [
+    "CUDA_GRAPHS",
+    "CaptureFailure",
+    "CapturedGraph",
+    "CudaGraphEngine",
+    "GraphEngine",
+    "Graphs",
+    "GuardFindings",
+    "ReplayGuard",
+    "capture_stream",
+    "first_capture_error",
+    "on_stream",
+]
 
 ReplayHook = Callable[[torch.cuda.Stream], None]
+Parameters = Callable[[], Iterable[nn.Parameter]]
+
+
+class GraphEngine(Protocol):
+    """Makes the :class:`Graphs` of one TrainStep, or says why its optimizer cannot be graphed."""
+
+    def build(
+        self,
+        parameters: Parameters,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        fp16: bool,
+    ) -> Graphs | str: ...
+
+
+class CudaGraphEngine:
+    """Real CUDA graphs on the device's capture stream; the optimizer made graph-safe first."""
+
+    def build(
+        self,
+        parameters: Parameters,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        fp16: bool,
+    ) -> Graphs | str:
+        plan = plan_graph_safety(optimizer, device, fp16=fp16)
+        if isinstance(plan, str):
+            return plan
+        return Graphs(capture_stream(device), parameters, plan)
+
+
+CUDA_GRAPHS = CudaGraphEngine()
+
+_CAPTURE_STREAMS: Global[dict[int, torch.cuda.Stream]] = process_global(
+    "graphs.capture_streams", dict, reset_at_shutdown=False
+)
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per device, shared by every TrainStep on it.
+
+    cuBLAS keeps a workspace (tens of MiB) per stream for the life of the process: a stream per
+    TrainStep would leave one behind for every TrainStep ever built. Steps on one stream run in
+    the order they are called, as on the default stream.
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    streams = _CAPTURE_STREAMS.value
+    if index not in streams:
+        streams[index] = torch.cuda.Stream(index)
+    return streams[index]
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    """Run on the capture stream (CUDA), or where the caller is (CPU: ``stream`` is None)."""
+    return contextlib.nullcontext() if stream is None else _side_stream(stream)
+
+
+@contextlib.contextmanager
+def _side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
+    # The side stream waits for the caller's work (e.g. the batch's H2D copy) and the caller's
+    # stream waits for the step, so the user's loop needs no synchronisation of its own.
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 @dataclass
 class CapturedGraph:
     """A graph, the buffers it reads its inputs from, and what it returns (graph-owned)."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None  # None: the CPU stand-in's
     static_inputs: tuple[torch.Tensor, ...]
     output: Any
 
@@ -49,27 +139,41 @@ class CaptureFailure:
     reason: str
 
 
+@dataclass
+class Replayed:
+    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key to replay,
+    or the guard dropped the training graphs), and what the guard found before it."""
+
+    output: Any
+    findings: GuardFindings
+    replayed: bool = False
+
+
 class Graphs:
     """Every graph of one TrainStep by key, their pool, static buffers, guard and replay hooks.
 
     ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
-    nothing) and keeps the graph; ``replay(key, batch)`` checks the guard, syncs the LR tensors,
-    copies the batch into the static inputs, replays and runs the hooks. ``close()`` drops every
-    graph and the pool, so the memory returns to PyTorch's allocator.
+    nothing) and keeps the graph; ``replay(key, batch)`` checks the guard (one call per step:
+    what the script changed is put back in place, or the training graphs are dropped for a
+    re-capture), syncs the LR tensors, copies the batch into the static inputs, replays and runs
+    the hooks. ``close()`` drops every graph and the pool, so the memory returns to PyTorch's
+    allocator. ``parameters()`` gives the wrapped model's parameters (the trainable ones are
+    the graphs' to guard; a re-capture reads them again).
     """
 
     def __init__(
         self,
-        stream: torch.cuda.Stream,
-        params: Sequence[nn.Parameter],
+        stream: torch.cuda.Stream | None,
+        parameters: Parameters,
         plan: GraphSafeOptimizer,
     ) -> None:
         self._stream = stream
-        self._graphs: dict[Hashable, CapturedGraph] = {}
+        self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._pool: Any = None
         self.plan = plan
-        self.params = list(params)
-        self.uncapturable: set[Hashable] = set()
+        self._parameters = parameters
+        self.params = _trainable(parameters())
+        self.uncapturable: set[GraphKey] = set()
         self.guard: ReplayGuard | None = None
         self._hooks: list[ReplayHook] = []
 
@@ -77,18 +181,22 @@ class Graphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: GraphKey) -> bool:
         return key in self._graphs
 
-    def __iter__(self) -> Iterator[Hashable]:
+    def __iter__(self) -> Iterator[GraphKey]:
         return iter(self._graphs)
 
-    def keys_of(self, kind: str) -> list[Hashable]:
-        """The keys whose first entry is ``kind`` ("train" or "eval"), oldest first."""
-        return [key for key in self._graphs if isinstance(key, tuple) and key[0] == kind]
+    def keys_of(self, role: Role) -> list[GraphKey]:
+        """The keys of ``role`` ("train", "micro" or "eval"), oldest first."""
+        return [key for key in self._graphs if key.role == role]
 
-    def get(self, key: Hashable) -> CapturedGraph | None:
+    def get(self, key: GraphKey) -> CapturedGraph | None:
         return self._graphs.get(key)
+
+    def parameters_changed(self) -> None:
+        """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
+        self.params = _trainable(self._parameters())
 
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
@@ -96,7 +204,7 @@ class Graphs:
 
     # ----------------------------------------------------------------- capture
     def capture(
-        self, key: Hashable, batch: Batch, body: Callable[[Batch], Any]
+        self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
     ) -> CapturedGraph | CaptureFailure:
         """Capture ``body`` on a copy of ``batch`` (its static inputs) and keep it under ``key``.
 
@@ -104,6 +212,7 @@ class Graphs:
         BatchNorm buffers as they were; the caller restores what runs on the host (DDP's reducer).
         The caller replays the graph once to train on ``batch``.
         """
+        assert self._stream is not None
         static = batch.with_tensors([t.clone() for t in batch.tensors])
         self.plan.sync_lr()  # the LR is read from its tensor; a fill_ inside would be frozen
         graph = torch.cuda.CUDAGraph()
@@ -129,10 +238,22 @@ class Graphs:
         return captured
 
     # ------------------------------------------------------------------ replay
-    def replay(self, key: Hashable, batch: Batch) -> Any:
-        """Replay the graph of ``key`` on ``batch``; its output (graph-owned, overwritten by the
-        next replay of this key). The caller has run :meth:`check` since the last change."""
-        captured = self._graphs[key]
+    def replay(self, key: GraphKey, batch: Batch) -> Replayed:
+        """Check the guard, then replay the graph of ``key`` on ``batch``.
+
+        The output is graph-owned (overwritten by the next replay of this key). Nothing is
+        replayed when no graph of ``key`` exists or the guard dropped the training graphs (a
+        re-capture is due); ``findings`` says what the guard found either way.
+        """
+        findings = self.check()
+        captured = self._graphs.get(key)
+        if captured is None:
+            return Replayed(None, findings)
+        self._launch(captured, batch)
+        return Replayed(captured.output, findings, replayed=True)
+
+    def _launch(self, captured: CapturedGraph, batch: Batch) -> None:
+        assert self._stream is not None and captured.graph is not None
         self.plan.sync_lr()
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor, non_blocking=True)
@@ -140,38 +261,61 @@ class Graphs:
         stream = torch.cuda.current_stream(self._stream.device)
         for hook in self._hooks:
             hook(stream)
-        return captured.output
 
     def check(self) -> GuardFindings:
-        """What changed since capture, with optimizer reloads already put back in place."""
-        return GuardFindings() if self.guard is None else self.guard.check()
+        """What changed since capture, handled: optimizer reloads put back in place; a changed
+        ``requires_grad`` or param-group value drops the training graphs (a re-capture)."""
+        if self.guard is None:
+            return GuardFindings()
+        found = self.guard.check()
+        if found.changes:
+            self.make_optimizer_safe_again()
+        if found.recapture:
+            self.params = _trainable(self._parameters())
+            for param in self._parameters():
+                if not param.requires_grad:
+                    param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
+            found.dropped = self.drop_training()
+        return found
+
+    def make_optimizer_safe_again(self) -> None:
+        """After a reload: a loaded param group may say capturable=False or foreach SGD."""
+        make_graph_safe(self.plan.optimizer, self._stream_device())
+
+    def _stream_device(self) -> torch.device:
+        assert self._stream is not None
+        return self._stream.device
 
     # ----------------------------------------------------------------- dropping
-    def drop(self, kind: str) -> int:
-        """Drop the graphs of ``kind`` (e.g. every training graph before a re-capture)."""
-        keys = self.keys_of(kind)
+    def drop(self, role: Role) -> int:
+        """Drop the graphs of ``role`` (e.g. every training graph before a re-capture)."""
+        keys = self.keys_of(role)
         for key in keys:
             del self._graphs[key]
         if not self._graphs:
             # torch frees a private pool when its last graph goes: capture into a new one
             self._pool = None
-        self.uncapturable = {k for k in self.uncapturable if not _is_kind(k, kind)}
-        if kind == "train":
+        self.uncapturable = {k for k in self.uncapturable if k.role != role}
+        if role == "train":
             self.guard = None
         return len(keys)
+
+    def drop_training(self) -> int:
+        """Drop every training graph ("train" and "micro"): they read what changed."""
+        return self.drop("train") + self.drop("micro")
 
     def close(self) -> None:
         """Free every graph and the pool. The caller makes sure no replay is in flight."""
         if self._graphs:
-            torch.cuda.synchronize(self._stream.device)
+            torch.cuda.synchronize(self._stream_device())
         self._graphs.clear()
         self._pool = None
         self.guard = None
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
 
 
-def _is_kind(key: Hashable, kind: str) -> bool:
-    return isinstance(key, tuple) and bool(key) and key[0] == kind
+def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    return [p for p in parameters if p.requires_grad]
 
 
 @dataclass
@@ -180,6 +324,7 @@ class GuardFindings:
 
     changes: list[str] = field(default_factory=list)
     recapture: bool = False  # the graphs read something that changed: capture them again
+    dropped: int = 0  # training graphs dropped for that re-capture
 
 
 class ReplayGuard:

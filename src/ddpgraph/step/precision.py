@@ -1,5 +1,9 @@
-"""Mixed precision for TrainStep: the ``amp`` spellings people use, and fp16 loss scaling that
-never leaves the device, so it can live inside the captured step.
+"""Mixed precision for TrainStep as one object: the ``amp`` spellings people use, autocast, and
+fp16 loss scaling that never leaves the device, so it can live inside the captured step.
+
+:func:`precision_for` gives the step body a :class:`Precision` (fp32 or bf16: autocast alone) or
+a :class:`Fp16` (autocast plus :class:`LossScaler`); the body calls the same four methods either
+way (``autocast``, ``backward``, ``update``, ``state_dict``), so no ``if fp16`` is spread over it.
 
 torch.amp.GradScaler checks for inf/NaN on the device but, for an optimizer without
 ``_step_supports_amp_scaling``, skips the update with ``found_inf.item()`` (a host sync). The
@@ -11,14 +15,24 @@ fused optimizer), with its state in device tensors that a graph reads and writes
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .optim import skips_on_device
 
-__all__ = ["AMP_SPELLINGS", "LossScaler", "amp_dtype", "check_scaler_options"]
+__all__ = [
+    "AMP_SPELLINGS",
+    "Fp16",
+    "LossScaler",
+    "Precision",
+    "amp_dtype",
+    "check_scaler_options",
+    "precision_for",
+]
 
 AMP_SPELLINGS = '"bf16", "bfloat16", torch.bfloat16, "fp16", "float16", torch.float16 or None'
 _BF16 = ("bf16", "bfloat16", torch.bfloat16)
@@ -136,6 +150,84 @@ class LossScaler:
         self.skipped.fill_(int(state.get("skipped", 0)))
 
 
-def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether every param group steps through a fused kernel that takes ``found_inf``."""
-    return all(group.get("fused") for group in optimizer.param_groups)
+class Precision:
+    """fp32, or bf16 autocast (no loss scaling): backward and update as a plain loop writes them.
+
+    ``update(optimizer, clip)`` runs ``clip()`` (the gradient clipping, or None) and the step.
+    """
+
+    loss_scale: torch.Tensor | None = None
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | None) -> None:
+        self.device = device
+        self.dtype = dtype
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        # no weight-cast cache: a cache filled during capture would point at freed memory
+        return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def update(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None) -> None:
+        if clip is not None:
+            clip()
+        optimizer.step()
+
+    def skipped_steps(self) -> int | None:
+        return None
+
+    def state_dict(self) -> dict[str, float | int] | None:
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class Fp16(Precision):
+    """fp16 autocast with dynamic loss scaling on the device, op for op as GradScaler."""
+
+    def __init__(self, device: torch.device, options: Mapping[str, float]) -> None:
+        super().__init__(device, torch.float16)
+        self.scaler = LossScaler(device, options)
+        self.loss_scale = self.scaler.scale_tensor
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def update(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None) -> None:
+        """Clip (on unscaled gradients) and step; skip an overflowed step on the device and
+        update the scale, as GradScaler does."""
+        # GradScaler unscales before clipping, and for an optimizer that cannot take the scale
+        unscale = clip is not None or not skips_on_device(optimizer)
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        self.scaler.check(grads, unscale=unscale)
+        if clip is not None:
+            clip()
+        self.scaler.step(optimizer, unscaled=unscale)
+        self.scaler.update()
+
+    def skipped_steps(self) -> int | None:
+        return int(self.scaler.skipped.item())  # a host read: report() only
+
+    def state_dict(self) -> dict[str, float | int] | None:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.scaler.load_state_dict(state)
+
+
+def precision_for(
+    amp: str | None, device: torch.device, scaler_options: Mapping[str, float] | None
+) -> Precision:
+    """The precision object for a validated ``amp`` ("bf16", "fp16" or None)."""
+    if amp == "fp16":
+        return Fp16(device, scaler_options or check_scaler_options(None))
+    return Precision(device, amp_dtype(amp))

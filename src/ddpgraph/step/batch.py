@@ -1,4 +1,5 @@
-"""A step's batch as TrainStep sees it: named tensors, a signature, and the call it becomes.
+"""A step's batch as TrainStep sees it: named tensors, a signature, the call it becomes, and the
+typed :class:`GraphKey` under which its graph is kept.
 
 ``step(x, y)`` is a positional batch (entries named "0", "1", ...); ``step(batch)`` with one
 mapping (a dict, an HF ``BatchEncoding``) is a keyword batch passed as ``model(**batch)``. Both
@@ -11,13 +12,64 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 
+__all__ = [
+    "Batch",
+    "GraphKey",
+    "Leaf",
+    "Role",
+    "Signature",
+    "data_batch",
+    "describe",
+    "differences",
+    "gathered_batch",
+    "make_batch",
+]
+
 Kind = Literal["args", "mapping", "data"]
-Leaf = tuple[torch.Size, torch.dtype, torch.device]
-Signature = tuple[Kind, tuple[str, ...], tuple[Leaf, ...]]
+Role = Literal["train", "micro", "eval"]
+
+
+class Leaf(NamedTuple):
+    """One batch tensor as a graph sees it."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Signature(NamedTuple):
+    """What a graph's static inputs fix: the call's kind, its entries' names, each tensor's leaf."""
+
+    kind: Kind
+    names: tuple[str, ...]
+    leaves: tuple[Leaf, ...]
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Which graph a call replays: one per role, module modes and input signature.
+
+    ``role`` is "train" (steps the optimizer), "micro" (an ``accumulate_calls`` micro-batch: no
+    sync, no update) or "eval"; ``modes`` is every submodule's ``training`` flag (a graph never
+    replays in another mode than it was captured in); ``signature`` the inputs, including for
+    ``step(data)`` the DeviceData it gathers from (another data set never replays its graph).
+    """
+
+    role: Role
+    modes: tuple[bool, ...]
+    signature: Signature
+
+    @property
+    def trains(self) -> bool:
+        return self.role != "eval"
+
+    @property
+    def reads_device_data(self) -> bool:
+        return self.signature.kind == "data"
 
 
 @dataclass(frozen=True)
@@ -33,11 +85,16 @@ class Batch:
         if self.source is not None:
             # the token: a graph gathers from one DeviceData's tensors, never another's
             names = (f"{self.steps} steps", f"DeviceData #{self.source.token}", *self.names)
-            return ("data", names, self.source.batch_shapes)
-        return (self.kind, self.names, tuple((t.shape, t.dtype, t.device) for t in self.tensors))
+            return Signature("data", names, self.source.batch_shapes)
+        leaves = tuple(Leaf(t.shape, t.dtype, t.device) for t in self.tensors)
+        return Signature(self.kind, self.names, leaves)
 
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> Batch:
         return replace(self, tensors=tuple(tensors))
+
+    def to(self, device: torch.device, *, channels_last: bool) -> Batch:
+        """The batch on ``device`` (non-blocking); 4-d tensors channels_last if asked."""
+        return self.with_tensors([_moved(t, device, channels_last) for t in self.tensors])
 
     def as_mapping(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.tensors))
@@ -56,6 +113,13 @@ class Batch:
             )
         chunks = [t.chunk(k) for t in self.tensors]
         return [self.with_tensors([c[i] for c in chunks]) for i in range(k)]
+
+
+def _moved(tensor: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    tensor = tensor.to(device, non_blocking=True)
+    if channels_last and tensor.dim() == 4:
+        tensor = tensor.contiguous(memory_format=torch.channels_last)
+    return tensor
 
 
 def data_batch(data: Any, steps: int) -> Batch:

@@ -1,6 +1,9 @@
-"""The LR of each of the next K training steps, for a call that runs K steps (``step(data)``).
+"""The feed of ``step(data)``: K training steps per call over a DeviceData, as a transaction.
 
-An LR scheduler is host code: inside one replay of K steps it cannot run between them. So before
+:class:`DataFeed` checks a call, stages its K LRs, and on failure puts the data position, the
+scheduler and the step count back, so the next call neither skips a batch nor an LR.
+
+The LR of each of the next K training steps (:class:`StepwiseLR`): an LR scheduler is host code: inside one replay of K steps it cannot run between them. So before
 the call the scheduler is stepped K times on the host, with plain floats in the param groups
 (Python arithmetic: no kernel and no host sync, unlike a scheduler computing with the device LR
 tensor), the K values are copied to the device once, and step j of the graph copies its value
@@ -10,16 +13,106 @@ into the optimizer's LR tensor before its update. The values are those an eager 
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .data import upload_into
-from .errors import ConfigError
+from ..data import upload_into
+from ..errors import ConfigError
+from .batch import Batch, data_batch
 from .optim import hyperparameters
+from .options import is_int
 
-__all__ = ["StepwiseLR"]
+if TYPE_CHECKING:
+    from ..device_data import DeviceData
+    from .report import StepReport
+
+__all__ = ["DataFeed", "StepwiseLR"]
+
+
+class DataFeed:
+    """``step(data)``'s calls: checked, their LRs staged, rolled back when they fail.
+
+    ``lr_tensors`` are the optimizer's device LR tensors where graphs read them (else None).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        lr_tensors: list[torch.Tensor] | None,
+        steps_per_replay: int,
+        device: torch.device,
+    ) -> None:
+        self._args = (optimizer, scheduler, lr_tensors, steps_per_replay)
+        self.steps_per_replay = steps_per_replay
+        self.device = device
+        self._lr: StepwiseLR | None = None  # built at the first call: the scheduler is checked
+        self._sources: dict[int, DeviceData] = {}  # alive while graphs that read them may exist
+
+    @property
+    def lr(self) -> StepwiseLR:
+        if self._lr is None:
+            self._lr = StepwiseLR(*self._args)
+        return self._lr
+
+    def steps_of(self, data: DeviceData, steps: int | None) -> int:
+        """Check a ``step(data)`` call; the number of training steps it runs."""
+        k = self.steps_per_replay
+        if data.device != self.device:
+            raise ConfigError(
+                f"the DeviceData is on {data.device} but the model is on {self.device}; build it "
+                "with DeviceData(..., device=runtime.device)."
+            )
+        n = k if steps is None else steps
+        if not is_int(n) or not 1 <= n <= k:
+            raise ConfigError(
+                f"step(data, steps={steps!r}): steps must be an integer from 1 to "
+                f"steps_per_replay={k}."
+            )
+        if n > len(data):
+            raise ConfigError(
+                f"step(data) runs {n} steps per call but the DeviceData has {len(data)} batches "
+                f"per epoch on this rank; use steps_per_replay <= {len(data)} or a smaller "
+                "batch_size."
+            )
+        return n
+
+    def full_batch(self, data: DeviceData) -> Batch:
+        """A whole call's batch: a short call (a run's last steps) is the same data."""
+        return data_batch(data, self.steps_per_replay)
+
+    @contextlib.contextmanager
+    def call(self, data: DeviceData, steps: int, report: StepReport) -> Iterator[Batch]:
+        """One call of ``steps`` steps: yields its batch; if the body raises, it is as if the
+        call never happened (no batch or LR skipped by the next one, the count as it was)."""
+        lr = self.lr
+        lr.check()  # before anything is counted or stepped
+        self._sources[data.token] = data
+        report.steps += steps
+        before = lr.snapshot()
+        try:
+            lr.prepare(steps)
+            yield data_batch(data, steps)
+        except BaseException:
+            lr.restore(before)
+            data.rewind()
+            report.steps -= steps
+            raise
+        finally:
+            lr.finish()
+        data.advance(steps)
+
+    def loaded(self) -> None:
+        """A checkpoint was loaded into the scheduler: take its count as it is."""
+        if self._lr is not None:
+            self._lr.sync_epoch()
+
+    def close(self) -> None:
+        self._sources.clear()
 
 
 class StepwiseLR:

@@ -1,0 +1,193 @@
+"""The step itself: zero_grad, k x (forward, loss, backward), clip, optimizer update, buffer sync.
+
+What runs eagerly in warm-up and what a capture records are the same :meth:`StepBody.run`, so a
+replay does what an eager step does. Precision (autocast, fp16 loss scaling) and the
+data-parallel wrapper (gradient sync, buffer sync, the grad norm) are objects it calls; it reads
+no flag of theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from .batch import Batch, Role, gathered_batch
+from .feed import DataFeed
+from .parallel import DataParallel
+from .precision import Precision
+
+__all__ = ["LossFn", "StepBody", "model_loss"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class StepBody:
+    """One training step (or micro-step) of a model, and the evaluation forward.
+
+    ``accumulate`` splits one batch into k micro-batches; ``accumulate_calls`` makes a "micro"
+    call run forward and backward without the gradient sync and the "train" call sync, clip,
+    step and zero the gradients for the next window.
+    """
+
+    def __init__(
+        self,
+        parallel: DataParallel,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | None,
+        precision: Precision,
+        *,
+        accumulate: int,
+        accumulate_calls: int,
+        clip_grad_norm: float | None,
+        channels_last: bool,
+    ) -> None:
+        self.parallel = parallel
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.precision = precision
+        self.accumulate = accumulate
+        self.accumulate_calls = accumulate_calls
+        self.clip_grad_norm = clip_grad_norm
+        self.channels_last = channels_last
+        # False while graphs are possible: a graph reads and writes the same .grad tensors on
+        # every replay; True once the step is eager for good (as a plain loop's zero_grad)
+        self.set_to_none = False
+        self.feed: DataFeed | None = None  # step(data): each step's LR
+        self._zeroed = False  # accumulate_calls: gradients zeroed before the first window
+
+    def run(self, batch: Batch, role: Role = "train") -> tuple[torch.Tensor, Any]:
+        """The loss (the mean over ``accumulate``'s micro-batches; with ``accumulate_calls``
+        this call's micro-batch loss, as scripts log it) and the (last micro-batch's) output.
+
+        Runs eagerly or under capture; it must not touch the LR (a fill_ captured here would
+        reset the LR on every replay), so callers sync the LR tensors first.
+        """
+        if batch.source is not None:
+            return self._steps_from(batch)
+        calls = self.accumulate_calls
+        if calls == 1 or not self._zeroed:
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)
+            self._zeroed = True
+        total: torch.Tensor | None = None
+        output: Any = None
+        micros = batch.split(self.accumulate)
+        for i, micro in enumerate(micros):
+            sync = role == "train" and i == len(micros) - 1
+            # the previous step ended with the buffer sync (the wrapper's set-up synced the
+            # first): a broadcast at this forward would send the same values again
+            fresh = i == 0 and calls == 1
+            with self.parallel.forward_context(sync_grads=sync, sync_buffers=not fresh):
+                with self.precision.autocast():
+                    loss, output = self._loss(micro)
+                _check_scalar_loss(loss)
+                self.precision.backward(loss / (self.accumulate * calls))
+            part = loss.detach().float() / self.accumulate
+            total = part if total is None else total + part
+        assert total is not None
+        if role == "micro":
+            return total, output
+        self.precision.update(self.optimizer, self._clip if self.clip_grad_norm else None)
+        self.parallel.after_step()
+        if calls > 1:
+            self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
+        return total, output
+
+    def _steps_from(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        """``batch.steps`` whole training steps, each on the next batch gathered from the
+        DeviceData on the device with its own LR; their losses as one tensor, and the last
+        step's output. The LR is copied from the device table a replay re-reads."""
+        assert self.feed is not None
+        data = batch.source
+        losses: list[torch.Tensor] = []
+        output: Any = None
+        for j, tensors in enumerate(data.next_batches(batch.steps)):
+            self.feed.lr.apply(j)
+            # channels_last, if asked (a no-op for data stored channels_last)
+            gathered = gathered_batch(data, tensors).to(
+                data.device, channels_last=self.channels_last
+            )
+            loss, output = self.run(gathered)
+            losses.append(loss)
+        return torch.stack(losses), output
+
+    def _clip(self) -> torch.Tensor:
+        assert self.clip_grad_norm is not None
+        return self.parallel.clip_grad_norm_(self.clip_grad_norm)
+
+    def _loss(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+        output = self.forward(self.parallel.module, batch)
+        if self.loss_fn is None:
+            return model_loss(output), output
+        target = batch.as_mapping() if batch.kind == "mapping" else batch.tensors[-1]
+        return self.loss_fn(output, target), output
+
+    def forward(self, model: nn.Module, batch: Batch, *, target: bool = True) -> Any:
+        """``model`` called as the batch says: ``model(**batch)``, ``model(*inputs)``, or with a
+        ``loss_fn`` and ``target``, every tensor but the last (the target)."""
+        if batch.kind == "mapping":
+            return model(**batch.as_mapping())
+        if target and self.loss_fn is not None:
+            return model(*batch.tensors[:-1])
+        return model(*batch.tensors)
+
+    def forward_eval(self, batch: Batch) -> Any:
+        # the module inside the wrapper: evaluation needs no gradient sync, and DDP's forward
+        # would count an iteration and broadcast buffers (done at the end of each step instead)
+        with torch.no_grad(), self.precision.autocast():
+            return self.forward(self.parallel.inner, batch, target=False)
+
+
+def model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: a scalar output, ``output.loss``, ``output["loss"]``, or
+    the one 0-dim floating tensor of a tuple or list output (nanoGPT's ``(logits, loss)``)."""
+    if _is_scalar(output):
+        return cast(torch.Tensor, output)
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, (tuple, list)) and not hasattr(output, "_fields"):
+        scalars = [i for i, item in enumerate(output) if _is_scalar(item)]
+        if len(scalars) == 1:
+            return cast(torch.Tensor, output[scalars[0]])
+        if scalars:
+            raise ValueError(
+                f"TrainStep(loss_fn=None) cannot tell the loss in the model's output: "
+                f"{_kind_of(output)} with scalar tensors at positions {scalars}; pass "
+                f"loss_fn=lambda output, target: output[{scalars[-1]}] (or the right index) and "
+                "call step(*inputs, target)."
+            )
+    raise ValueError(
+        f"TrainStep(loss_fn=None) needs the model to return its loss (a scalar tensor, .loss, "
+        f"['loss'], or one scalar in a tuple), but it returned {_kind_of(output)}; pass labels "
+        "or targets in the batch (HF models and nanoGPT compute the loss from them) or give a "
+        "loss_fn."
+    )
+
+
+def _is_scalar(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+def _kind_of(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a tensor of shape {tuple(output.shape)}"
+    if isinstance(output, (tuple, list)):
+        items = ", ".join(
+            f"tensor{tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            for x in output
+        )
+        return f"a {type(output).__name__} ({items})"
+    return f"a {type(output).__name__}"
+
+
+def _check_scalar_loss(loss: object) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got {shape}; reduce it (e.g. .mean())."
+        )

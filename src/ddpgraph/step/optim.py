@@ -1,0 +1,222 @@
+"""Making an optimizer safe to step inside a CUDA graph: the one home of that rule.
+
+The step (:func:`plan_graph_safety`), precision (:func:`skips_on_device`) and the replay guard
+(:func:`tensor_slots`, :func:`restore_identities`, :func:`hyperparameters`) read it from here.
+
+Inside a graph every kernel argument is frozen at capture. Two things therefore have to live on
+the device: the optimizer's step counters (``capturable=True`` where the optimizer has it) and
+the learning rate (a 0-dim device tensor), so that an LR scheduler's change between replays is
+seen by the replayed kernels without a re-capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CaptureError
+
+__all__ = [
+    "GraphSafeOptimizer",
+    "TensorSlots",
+    "graph_safety_problem",
+    "hyperparameters",
+    "make_graph_safe",
+    "plan_graph_safety",
+    "restore_identities",
+    "skips_on_device",
+    "tensor_slots",
+]
+
+# (parameter index, state key) for state tensors; (-1 - group index, "lr") for LR tensors
+TensorSlots = dict[tuple[int, str], torch.Tensor]
+
+
+@dataclass
+class GraphSafeOptimizer:
+    """What :func:`make_graph_safe` changed, and the LR tensors it installed (one per group)."""
+
+    optimizer: torch.optim.Optimizer
+    changes: list[str]
+    lr_tensors: list[torch.Tensor]
+
+    def sync_lr(self) -> None:
+        """Pick up an LR a scheduler or the user assigned as a float: copy it into the tensor.
+
+        ``fill_`` with a Python number is a kernel launch with the value as an argument, not a
+        host sync, so this is cheap enough for every step.
+        """
+        for group, lr in zip(self.optimizer.param_groups, self.lr_tensors):
+            value = group["lr"]
+            if value is not lr:
+                lr.fill_(float(value))
+                group["lr"] = lr
+
+
+def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> GraphSafeOptimizer:
+    """Turn on ``capturable`` (Adam, AdamW, …) or ``fused`` (SGD) and put the LR on ``device``.
+
+    Raises :class:`CaptureError` naming the optimizer when it cannot be captured. Call before the
+    optimizer's first step so its state is created on the device.
+    """
+    problem = graph_safety_problem(optimizer)
+    if problem is not None:
+        raise CaptureError(problem)
+    changes: list[str] = []
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            if not group["capturable"]:
+                group["capturable"] = True
+                changes.append("capturable=True")
+        else:  # SGD (graph_safety_problem allows no other)
+            # foreach SGD turns a tensor LR into `alpha=-lr`, an implicit .item() that breaks
+            # capture; the fused kernel takes the LR tensor itself.
+            group["fused"] = True
+            group["foreach"] = False
+            if "fused=True" not in changes:
+                changes.append("fused=True")
+    _move_step_counters(optimizer, device)
+    lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
+    changes.append("lr on device")
+    return GraphSafeOptimizer(optimizer, changes, lr_tensors)
+
+
+def graph_safety_problem(optimizer: torch.optim.Optimizer) -> str | None:
+    """Why ``optimizer`` cannot be stepped inside a CUDA graph, or None; changes nothing, so
+    it also runs on CPU (a dry run names what the GPU run would refuse)."""
+    name = type(optimizer).__name__
+    for group in optimizer.param_groups:
+        if "capturable" not in group and not isinstance(optimizer, torch.optim.SGD):
+            return (
+                f"{name} cannot be stepped inside a CUDA graph (it has no `capturable` option); "
+                "use SGD, Adam or AdamW, or pass graph='never' to TrainStep."
+            )
+        if group.get("differentiable"):
+            return f"{name}(differentiable=True) cannot be captured; turn it off."
+        if "capturable" not in group and any(
+            p.is_sparse or not p.is_floating_point() for p in group["params"]
+        ):
+            return f"{name} with sparse or non-float parameters cannot be captured."
+    return None
+
+
+def plan_graph_safety(
+    optimizer: torch.optim.Optimizer, device: torch.device, *, fp16: bool
+) -> GraphSafeOptimizer | str:
+    """Make ``optimizer`` graph-safe for a step on ``device``; or, changing nothing, why not.
+
+    fp16 inside a graph also needs a fused kernel that skips an overflowed step on the device
+    (Adam/AdamW/SGD are switched to it).
+    """
+    problem = graph_safety_problem(optimizer)
+    if problem is None and fp16:
+        problem = _fused_problem_for_fp16(optimizer)
+    if problem is not None:
+        return problem
+    plan = make_graph_safe(optimizer, device)
+    if fp16 and not skips_on_device(optimizer):
+        for group in optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+        plan.changes.append("fused=True (fp16 skips overflowed steps on the device)")
+    return plan
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group steps through a fused kernel that takes ``found_inf``."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def _fused_problem_for_fp16(optimizer: torch.optim.Optimizer) -> str | None:
+    if all("fused" in group for group in optimizer.param_groups):
+        return None
+    return (
+        f"amp='fp16' inside a graph needs an optimizer with a fused kernel (Adam, AdamW, SGD) "
+        f"that skips an overflowed step on the device; {type(optimizer).__name__} would need "
+        "found_inf.item(), a host sync. Use one of those, or amp='bf16' (no loss scaling)."
+    )
+
+
+def _move_step_counters(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    # State created before capturable was turned on keeps its step counter on the CPU.
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.device != device:
+            state["step"] = step.to(device=device, dtype=torch.float32)
+
+
+def _lr_tensor(group: dict, device: torch.device) -> torch.Tensor:
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor) and lr.device == device and lr.dim() == 0:
+        return lr
+    tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
+    group["lr"] = tensor
+    return tensor
+
+
+def tensor_slots(optimizer: torch.optim.Optimizer) -> TensorSlots:
+    """The optimizer's state and LR tensors by slot: what a captured graph reads and writes."""
+    found: TensorSlots = {}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for i, param in enumerate(params):
+        for key, value in optimizer.state.get(param, {}).items():
+            if isinstance(value, torch.Tensor):
+                found[(i, key)] = value
+    for g, group in enumerate(optimizer.param_groups):
+        if isinstance(group.get("lr"), torch.Tensor):
+            found[(-1 - g, "lr")] = group["lr"]
+    return found
+
+
+def restore_identities(optimizer: torch.optim.Optimizer, kept: TensorSlots) -> list[str]:
+    """Put an optimizer's new values back into the tensors in ``kept`` (the one in-place load).
+
+    ``Optimizer.load_state_dict`` (alone, or inside DCP's ``set_state_dict``) replaces the state
+    tensors and deep-copies the param groups, so a graph captured before it would keep updating
+    the old tensors. This copies each new value into the kept tensor and points the optimizer
+    back at it (``copy_`` converts dtype and device, e.g. a CPU step counter). Returns the slots
+    it could not restore (missing, or another shape): a graph that reads them has to be captured
+    again.
+    """
+    lost: list[str] = []
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    current = tensor_slots(optimizer)
+    for (index, key), old in kept.items():
+        if index < 0:
+            continue
+        new = current.get((index, key))
+        if new is old:
+            continue
+        if new is None or new.shape != old.shape:
+            lost.append(f"parameter {index} {key!r}")
+            continue
+        old.copy_(new)
+        optimizer.state[params[index]][key] = old
+    for g, group in enumerate(optimizer.param_groups):
+        lr = kept.get((-1 - g, "lr"))
+        if lr is not None and group["lr"] is not lr:
+            lr.fill_(float(group["lr"]))
+            group["lr"] = lr
+    return lost
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Hashable]]:
+    """Each param group's plain values (betas, weight decay, ...) that a capture bakes in.
+
+    The LR is a device tensor (read at replay) and the parameters are checked by pointer, so
+    neither is included; a tensor value counts by identity, an unhashable one by its repr.
+    """
+    return [
+        {key: _frozen(value) for key, value in group.items() if key not in ("params", "lr")}
+        for group in optimizer.param_groups
+    ]
+
+
+def _frozen(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value if isinstance(value, Hashable) else repr(value)

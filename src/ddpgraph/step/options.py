@@ -1,0 +1,188 @@
+"""TrainStep's options and the checks of what it is given, all run when it is built, so a bad
+combination fails before the first step, not in the middle of training."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .._frames import PACKAGE_DIR, frame_outside, in_directories
+from ..errors import ConfigError, DeviceConflictError
+from .parallel import check_not_wrapped
+from .precision import amp_dtype, check_scaler_options
+
+__all__ = [
+    "GraphMode",
+    "NewShapePolicy",
+    "StepOptions",
+    "check_model",
+    "check_optimizer",
+    "is_int",
+    "is_number",
+    "model_device",
+    "warn_at_user_line",
+]
+
+GraphMode = Literal["auto", "always", "never"]
+NewShapePolicy = Literal["eager", "capture", "error"]
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """TrainStep's options, validated when the TrainStep is built."""
+
+    graph: GraphMode = "auto"
+    amp: Any = None  # normalised to "bf16", "fp16" or None
+    accumulate: int = 1
+    clip_grad_norm: float | None = None
+    on_new_shape: NewShapePolicy = "eager"
+    warmup: int | None = None
+    compile: bool | Mapping[str, Any] = False
+    channels_last: bool = False
+    grad_scaler: Mapping[str, float] | None = None
+    accumulate_calls: int = 1
+    steps_per_replay: int = 1
+
+    def __post_init__(self) -> None:
+        if not is_int(self.accumulate_calls) or self.accumulate_calls < 1:
+            raise ConfigError(
+                f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."
+            )
+        if not is_int(self.steps_per_replay) or self.steps_per_replay < 1:
+            raise ConfigError(
+                f"steps_per_replay={self.steps_per_replay!r} must be an integer >= 1 (e.g. 8: "
+                "eight training steps per graph replay, fed by a ddpgraph.DeviceData)."
+            )
+        if self.steps_per_replay > 1 and self.accumulate_calls > 1:
+            raise ConfigError(
+                f"steps_per_replay={self.steps_per_replay} and accumulate_calls="
+                f"{self.accumulate_calls}: a multi-step replay takes whole steps from a "
+                "DeviceData; accumulate within each step with accumulate=k instead."
+            )
+        if self.accumulate_calls > 1 and self.accumulate != 1:
+            raise ConfigError(
+                f"accumulate={self.accumulate} and accumulate_calls={self.accumulate_calls} both "
+                "accumulate gradients; use accumulate=k to split one batch per call, or "
+                "accumulate_calls=k to take one micro-batch per call."
+            )
+        dtype = amp_dtype(self.amp)
+        name = None if dtype is None else {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+        object.__setattr__(self, "amp", name)
+        if self.grad_scaler is not None and self.amp != "fp16":
+            raise ConfigError(
+                f"grad_scaler={dict(self.grad_scaler)!r} scales fp16 losses, but amp={self.amp!r}; "
+                "pass amp='fp16' or drop grad_scaler (bf16 needs no loss scaling)."
+            )
+        object.__setattr__(self, "grad_scaler", check_scaler_options(self.grad_scaler))
+        _check_compile(self.compile)
+        _check_choice("graph", self.graph, ("auto", "always", "never"))
+        _check_choice("on_new_shape", self.on_new_shape, ("eager", "capture", "error"))
+        if not is_int(self.accumulate) or self.accumulate < 1:
+            raise ConfigError(f"accumulate={self.accumulate!r} must be an integer >= 1.")
+        if self.clip_grad_norm is not None and not (
+            is_number(self.clip_grad_norm) and 0 < self.clip_grad_norm < math.inf
+        ):
+            raise ConfigError(
+                f"clip_grad_norm={self.clip_grad_norm!r} must be a positive, finite number or None."
+            )
+        if self.warmup is not None and (not is_int(self.warmup) or self.warmup < 1):
+            raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 1 or None.")
+        if not isinstance(self.channels_last, bool):
+            raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy too
+
+
+def _check_compile(value: object) -> None:
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"compile={value!r} must be True, False or a dict of torch.compile arguments."
+        )
+    mode = value.get("mode")
+    options = value.get("options") or {}
+    if mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+        raise ConfigError(
+            f"compile={dict(value)!r} asks Inductor for CUDA graphs of its own, but TrainStep "
+            "captures the whole step as one graph; use mode='default' or "
+            "'max-autotune-no-cudagraphs'."
+        )
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} must be one of {', '.join(map(repr, choices))}.")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1:
+        found = sorted(map(str, devices)) or ["no parameters"]
+        raise ConfigError(
+            f"TrainStep needs a model whose parameters are on one device, found {found}; "
+            "move it with model.to(runtime.device)."
+        )
+    device = devices.pop()
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        raise DeviceConflictError(
+            f"the model is on {device} but this rank is bound to cuda:{torch.cuda.current_device()}; "
+            "call ddpgraph.init() first and move the model with model.to(runtime.device)."
+        )
+    return device
+
+
+def check_model(model: object) -> None:
+    check_not_wrapped(model)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"TrainStep's model is {model!r} ({type(model).__name__}), not a torch.nn.Module; "
+            "build the model first, e.g. torchvision.models.resnet50().to(runtime.device)."
+        )
+
+
+def check_optimizer(optimizer: object, model: nn.Module) -> None:
+    """The optimizer must update this model: none of its parameters is a silent no-op."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"TrainStep's optimizer is {optimizer!r} ({type(optimizer).__name__}), not a "
+            "torch.optim.Optimizer; pass e.g. torch.optim.AdamW(model.parameters(), lr=3e-4)."
+        )
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name, p in trainable if id(p) not in held]
+    if trainable and len(missing) == len(trainable):
+        raise ConfigError(
+            f"the optimizer holds none of the model's {len(trainable)} trainable parameters "
+            "(built over another model, or before the model was replaced or moved?); build it "
+            "from this model: torch.optim.AdamW(model.parameters(), ...)."
+        )
+    if missing:
+        shown = ", ".join(missing[:5]) + (
+            f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        )
+        warn_at_user_line(
+            f"the optimizer does not hold {len(missing)} of the model's trainable parameters "
+            f"({shown}): they get gradients but are never updated; add them to a param group or "
+            "set requires_grad=False."
+        )
+
+
+def warn_at_user_line(message: str) -> None:
+    """Warn with the location of the user's call into ddpgraph, not a line of ddpgraph."""
+    import warnings
+
+    _, level = frame_outside(in_directories(PACKAGE_DIR))
+    warnings.warn(message, stacklevel=level)

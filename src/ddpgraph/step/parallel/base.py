@@ -1,0 +1,76 @@
+"""What the step needs from a data-parallel wrapper, stated once (DDP now, FSDP2 next)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...facts import DDP_STATS_SAMPLE_RATE, ddp_count_allows_capture
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel:
+    """One data-parallel wrapper around the user's module, as the step uses it.
+
+    ``module`` is what the step calls (the wrapper, e.g. a DDP); ``inner`` the module inside it
+    (a forward with no wrapper bookkeeping: evaluation). The defaults are those of a wrapper
+    that synchronizes nothing (:class:`~.local.Local`); each method says what an implementation
+    changes. Every method that runs a collective must be called on every rank at the same step.
+    """
+
+    module: nn.Module
+    inner: nn.Module
+    # DDP's runtime-logging sample rate: the warm-up rule of ddpgraph.facts reads it
+    sample_rate: int = DDP_STATS_SAMPLE_RATE
+
+    # ----------------------------------------------------------------- forward and backward
+    def forward_context(
+        self, *, sync_grads: bool, sync_buffers: bool
+    ) -> contextlib.AbstractContextManager[Any]:
+        """Around one forward and its backward: ``sync_grads`` False for an accumulating
+        micro-batch (no gradient sync); ``sync_buffers`` False where this step already holds
+        rank 0's buffers (no broadcast of the same values again). DDP decides both at the
+        forward; FSDP2's ``set_requires_gradient_sync`` governs the backward, hence both inside."""
+        return contextlib.nullcontext()
+
+    def after_step(self) -> None:
+        """At the end of each optimizer step (inside the graph): buffer sync, if any."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to ``max_norm`` on the device (no host sync); the total norm."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    # ----------------------------------------------------------------- capture preconditions
+    def count_forwards(self, n: int) -> None:
+        """``n`` training forwards ran the wrapper's host code (eagerly or while capturing)."""
+
+    def allows_capture(self, steps: int) -> bool:
+        """Whether the next ``steps`` training forwards may be captured."""
+        return True
+
+    def count_allows_capture(self, forwards: int) -> bool:
+        """The warm-up rule (ddpgraph.facts) at this wrapper's sample rate."""
+        return ddp_count_allows_capture(forwards, self.sample_rate)
+
+    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
+        """(every rank's ``ok``, any rank's ``dirty``): one tiny collective where there are
+        peers."""
+        return ok, dirty
+
+    # ----------------------------------------------------------------- failed captures
+    def dirty(self) -> bool:
+        """Whether a failed capture left the wrapper mid-iteration."""
+        return False
+
+    def reset(self) -> None:
+        """Let the wrapper run again after a backward that never finished (on every rank at
+        the same step); it may rebuild what the training graphs read."""
+
+    def check_reset_alone(self) -> None:
+        """Before :meth:`reset` on this rank only (a later capture failed here, peers may be
+        replaying): raise :class:`~ddpgraph.CaptureError` if the reset needs its peers."""

@@ -1,0 +1,143 @@
+"""DistributedDataParallel as the step's wrapper: the one module that names it.
+
+Facts this is built on (measured on an H200, torch 2.11, NCCL 2.28; see REFERENCES.md):
+
+* DDP must be *constructed* on the side stream that captures, or backward fails with "operation
+  would make the legacy stream depend on a capturing blocking stream".
+* DDP times its iterations 1..10 and every 100th with CUDA events that a capture cannot hold
+  (``ddpgraph.facts``). The wrapper turns the every-100th sampling off (a private DDP setter;
+  where it is missing, captures keep to the counts the rule allows), so the first capture comes
+  after 11 eager forwards. Forwards under ``no_sync`` do not count; replays do not advance it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ...errors import CaptureError, ConfigError
+from ...facts import DDP_STATS_SAMPLE_RATE
+from ..graphs import on_stream
+from .base import DataParallel
+
+__all__ = ["DDP", "check_not_ddp", "inner_of"]
+
+_NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
+
+
+class DDP(DataParallel):
+    """The module wrapped in DDP on the capture stream (``gradient_as_bucket_view=True`` unless
+    ``ddp_kwargs`` says otherwise: it made graphed steps 2-7% faster)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+        ddp_kwargs: Mapping[str, Any],
+    ) -> None:
+        kwargs: dict[str, Any] = {"gradient_as_bucket_view": True}
+        if device.type == "cuda":
+            kwargs["device_ids"] = [device.index]
+        kwargs.update(ddp_kwargs)
+        # built on the capture stream: built on the default stream, its backward cannot be
+        # captured ("operation would make the legacy stream depend on a capturing blocking stream")
+        with on_stream(stream):
+            self.ddp = DistributedDataParallel(module, **kwargs)
+        self.module = self.ddp
+        self.inner = module
+        self.device = device
+        self.sample_rate = _stop_ddp_sampling(self.ddp)
+        # DDP broadcasts rank 0's buffers at each forward; here each step ends with it instead
+        self._sync_buffers = self.ddp.will_sync_module_buffers()
+        self._forwards = 0  # DDP forwards that advanced its iteration counter
+
+    # ----------------------------------------------------------------- forward and backward
+    @contextlib.contextmanager
+    def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if not sync_grads:
+                stack.enter_context(self.ddp.no_sync())
+            if not sync_buffers and self._sync_buffers:
+                self.ddp.broadcast_buffers = False
+                stack.callback(setattr, self.ddp, "broadcast_buffers", True)
+            yield
+
+    def after_step(self) -> None:
+        """Rank 0's buffers to every rank, moved from DDP's next forward to the end of this
+        step: evaluate() then sees what DDP's own eval forward sees, with no collective of its
+        own."""
+        if self._sync_buffers:
+            with torch.no_grad():
+                self.ddp._sync_module_buffers(authoritative_rank=0)
+
+    # ----------------------------------------------------------------- capture preconditions
+    def count_forwards(self, n: int) -> None:
+        self._forwards += n
+
+    def allows_capture(self, steps: int) -> bool:
+        first = self._forwards
+        return all(self.count_allows_capture(n) for n in range(first, first + steps))
+
+    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([int(ok), int(not dirty)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.ddp.process_group)
+        every_ok, none_dirty = flags.tolist()
+        return bool(every_ok), not none_dirty
+
+    # ----------------------------------------------------------------- failed captures
+    def dirty(self) -> bool:
+        """Whether DDP's reducer was left mid-iteration (a capture failed inside backward)."""
+        try:
+            self.ddp.reducer._check_reducer_finalized()
+        except RuntimeError:
+            return True
+        return False
+
+    def reset(self) -> None:
+        """``_reset_state`` also makes DDP rebuild its gradient buckets at the next forward (a
+        collective, and new gradient tensors): the caller drops the training graphs (they read
+        the old gradients) and runs two eager steps before the next capture (one records the
+        order, the next forward rebuilds)."""
+        self.ddp.reducer._reset_state()
+
+    def check_reset_alone(self) -> None:
+        if dist.get_world_size(self.ddp.process_group) > 1:
+            raise CaptureError(
+                "a capture failed inside DDP's backward on this rank while other ranks may be "
+                "replaying; DDP can only recover with every rank at the same step. Pad batches "
+                "to shapes captured at the start, or pass on_new_shape='eager'."
+            )
+
+
+def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
+    """Stop DDP timing every 100th iteration, so that any count after 10 can be captured.
+
+    DDP's timers are diagnostics (``_get_ddp_logging_data``); a timed iteration inside a graph
+    crashes a later eager forward ("CUDA error: invalid argument"). The setter is private, so
+    where it is missing the step keeps to the counts the default rate allows.
+    """
+    try:
+        ddp._set_ddp_runtime_logging_sample_rate(_NEVER)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return DDP_STATS_SAMPLE_RATE
+    return _NEVER
+
+
+def inner_of(model: nn.Module) -> nn.Module:
+    """The module inside a DDP, or ``model`` itself."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def check_not_ddp(model: object) -> None:
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError(
+            "TrainStep got a DistributedDataParallel model; pass the bare module: TrainStep "
+            "wraps it in DDP itself, on the stream it captures with."
+        )

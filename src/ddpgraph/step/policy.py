@@ -1,0 +1,458 @@
+"""When the step is captured, replayed or run eagerly, and what happens when a capture fails.
+
+Phases (one explicit state, :class:`~ddpgraph.step.report.Phase`): ``WARMUP`` runs eager steps
+(the warm-up rule of ``ddpgraph.facts``, at the wrapper's sample rate); then every rank captures
+and agrees that all succeeded, and ``GRAPHED`` replays, capturing one more graph per new input
+signature (``on_new_shape="capture"``) or module mode; ``EAGER`` for the reason in the report.
+Each graph is kept under a typed :class:`~ddpgraph.step.batch.GraphKey`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._log import get_logger
+from ..errors import CaptureError
+from ..facts import DEFAULT_WARMUP
+from .batch import Batch, GraphKey, Role, Signature, describe, differences, gathered_batch
+from .body import StepBody
+from .graphs import (
+    CUDA_GRAPHS,
+    CapturedGraph,
+    CaptureFailure,
+    GraphEngine,
+    Graphs,
+    Parameters,
+    Replayed,
+    on_stream,
+)
+from .optim import graph_safety_problem
+from .options import StepOptions, warn_at_user_line
+from .parallel import DataParallel
+from .report import CaptureRecord, Phase, StepReport, mode_words
+from .syncs import record_host_syncs
+
+__all__ = ["CapturePolicy", "build_graphs"]
+
+_EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
+
+
+class CapturePolicy:
+    """Runs each call of one TrainStep: eagerly, by capturing, or by replaying its graph.
+
+    ``graphs`` is None where no graph can be captured (``fallback`` says why); ``rewrap`` builds
+    the wrapper again around the uncompiled module when ``compile`` fails.
+    """
+
+    def __init__(
+        self,
+        options: StepOptions,
+        body: StepBody,
+        graphs: Graphs | None,
+        *,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+        submodules: list[nn.Module],
+        rewrap: Callable[[], DataParallel],
+        report: StepReport,
+    ) -> None:
+        self.options = options
+        self.body = body
+        self.graphs = graphs
+        self.device = device
+        self._stream = stream
+        self._submodules = submodules  # their modes key the graphs
+        self._rewrap = rewrap
+        self.report = report
+        self.phase = Phase.WARMUP
+        self.warmup = self._planned_warmup()
+        self.output: Any = None
+        self.call_steps = 1  # training steps in the current call (step(data): up to K)
+        self.micro_batches = 0  # accumulate_calls: micro-batches taken since the last update
+        self._compile_pending = bool(options.compile)  # compiled, not yet past its first forward
+        self._start = time.perf_counter()
+        self._eager_before_capture = 0  # eager steps the wrapper needs before the next capture
+        self._signatures: set[Signature] = set()  # every training signature ever captured
+        self._reference: Signature | None = None  # the signature on_new_shape compares against
+        self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
+        self._eval_calls: Counter[GraphKey] = Counter()
+
+    @property
+    def parallel(self) -> DataParallel:
+        return self.body.parallel
+
+    # ----------------------------------------------------------------- a training call
+    def train(self, batch: Batch, steps: int) -> torch.Tensor:
+        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step."""
+        self.call_steps = steps
+        loss = self._train(batch, self._modes())
+        self.micro_batches = (self.micro_batches + 1) % self.options.accumulate_calls
+        return loss
+
+    def _train(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
+        if self.phase is Phase.WARMUP and self._warmup_done():
+            return self._first_capture(batch, modes)
+        if self.phase is Phase.GRAPHED:
+            loss = self._replay_or_capture(batch, modes)
+            if loss is not None:
+                return loss
+        return self._eager(batch)
+
+    def watch_phase(self) -> str:
+        """The watchdog's name for this call (its heartbeat says where each rank is)."""
+        if self.phase is Phase.WARMUP:
+            return "capture" if self._warmup_done() else "warmup"
+        return "replay" if self.phase is Phase.GRAPHED else "eager"
+
+    def check_shape(self, batch: Batch) -> None:
+        """on_new_shape="error", on every device: the signature must stay the captured one."""
+        warmup_calls = self.warmup * self.options.accumulate_calls
+        if self.options.on_new_shape != "error" or self.report.steps <= warmup_calls:
+            return  # before the signature is built: this runs on every call
+        signature = batch.signature
+        if self._reference is None:
+            self._reference = signature
+        elif signature != self._reference:
+            raise ValueError(
+                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but its "
+                f"graph is for {describe(self._reference)} (changed: "
+                f"{differences(signature, self._reference)}); pad batches to one shape "
+                "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
+            )
+
+    def _warmup_done(self) -> bool:
+        """Warm-up counts optimizer steps; with accumulate_calls it ends at a window's start."""
+        calls = self.warmup * self.options.accumulate_calls
+        return (
+            self.report.eager_steps >= calls
+            and self.micro_batches == 0
+            and self.parallel.allows_capture(self.call_steps)
+        )
+
+    def _role(self) -> Role:
+        """ "micro" for a call that only accumulates (accumulate_calls), "train" for one that
+        steps the optimizer: each has its own graph per input signature and mode."""
+        last = self.micro_batches == self.options.accumulate_calls - 1
+        return "train" if last else "micro"
+
+    def _modes(self) -> tuple[bool, ...]:
+        """Every submodule's ``training`` flag: part of each graph's key."""
+        return tuple(m.training for m in self._submodules)
+
+    def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
+        return GraphKey(self._role(), modes, batch.signature)
+
+    # ----------------------------------------------------------------- capture
+    def _first_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
+        """Capture on every rank, then agree; every rank replays, or every rank runs eagerly.
+
+        Ranks that disagreed (one's capture failed) would otherwise carry on with a graph on some
+        ranks and a failed step on others; and with graph="always" every rank raises, not only
+        the one that failed. Every rank reaches this call at the same step (the warm-up length is
+        the same everywhere). Costs one tiny all-reduce, once per run.
+        """
+        key = self._key(batch, modes)
+        started = time.perf_counter()
+        result = self._capture(key, batch)
+        ok, any_dirty = self.parallel.agree(
+            isinstance(result, CapturedGraph), self.parallel.dirty()
+        )
+        if any_dirty:
+            self._reset_wrapper()  # on every rank, so DDP's bucket rebuild is collective
+        if not ok:
+            self._graphs().drop_training()
+            reason = (
+                self._explain_failure(result.reason)
+                if isinstance(result, CaptureFailure)
+                else "another rank could not capture its step (its warning says why)"
+            )
+            self.enter_eager(reason)
+            return self._eager(batch)
+        self.phase = Phase.GRAPHED
+        self._record_capture(key, started)
+        loss = self._replay(key, batch)
+        assert loss is not None
+        self.report.time_to_first_replay = time.perf_counter() - self._start
+        return loss
+
+    def _replay_or_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor | None:
+        """Replay the graph of this key, capturing it first if the policy says so.
+
+        A later capture needs no agreement: capturing runs nothing, and a graph's all-reduces
+        pair with a peer's eager ones like eager ones do (same buckets, same order).
+        """
+        key = self._key(batch, modes)
+        loss = self._replay(key, batch)
+        if loss is not None or not self._should_capture(key):
+            return loss
+        started = time.perf_counter()
+        result = self._capture(key, batch)
+        if isinstance(result, CaptureFailure):
+            if self.parallel.dirty():
+                self.parallel.check_reset_alone()  # no agreement: peers may be replaying
+                self._reset_wrapper()
+            self.warn_or_raise(
+                f"the batch of {describe(batch.signature)}{mode_words(modes)} runs eagerly: "
+                f"{self._explain_failure(result.reason)}"
+            )
+            return None
+        self._record_capture(key, started)
+        return self._replay(key, batch)
+
+    def _should_capture(self, key: GraphKey) -> bool:
+        graphs = self._graphs()
+        if key in graphs.uncapturable or not self.parallel.allows_capture(self.call_steps):
+            return False
+        if self._eager_before_capture > 0:
+            return False
+        # a new mode of a captured shape is always captured; a new shape as the policy says
+        return key.signature in self._signatures or self.options.on_new_shape == "capture"
+
+    def _capture(self, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
+        """Capture the step for this key on the device copy of ``batch``."""
+        device_batch = self.to_device(batch)
+        result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
+        if key.role == "train":
+            self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
+        return result
+
+    def _captured(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any]:
+        loss, output = self.body.run(batch, role)
+        return loss, _detached(output)
+
+    def _record_capture(self, key: GraphKey, started: float) -> None:
+        seconds = time.perf_counter() - started
+        if key.trains:
+            self._signatures.add(key.signature)
+        words = mode_words(key.modes) if key.trains else ""
+        self.report.captures.append(
+            CaptureRecord(key.signature, self.report.steps, seconds, key.role + words)
+        )
+        get_logger().info(
+            "TrainStep captured %s%s %s in %.0f ms",
+            key.role,
+            words,
+            describe(key.signature),
+            seconds * 1e3,
+        )
+
+    def _explain_failure(self, reason: str) -> str:
+        if self._sync_hint is None:
+            return reason
+        return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"
+
+    def _reset_wrapper(self) -> None:
+        """After a backward that never finished: the wrapper reset (it may rebuild what the
+        training graphs read, so they go) and two eager steps before the next capture."""
+        self.parallel.reset()
+        self._graphs().drop_training()
+        self._eager_before_capture = 2
+
+    def _graphs(self) -> Graphs:
+        assert self.graphs is not None  # only the graphed phases get here
+        return self.graphs
+
+    # ----------------------------------------------------------------- replay and eager
+    def _replay(self, key: GraphKey, batch: Batch) -> torch.Tensor | None:
+        """Replay ``key``'s graph (the one call into the graphs per replayed step); None when
+        it has none, or when what the script changed asks for a re-capture."""
+        replayed = self._graphs().replay(key, batch)
+        self._note_changes(replayed)
+        if not replayed.replayed:
+            return None
+        loss, self.output = replayed.output
+        self.report.replays += 1
+        return loss
+
+    def _note_changes(self, replayed: Replayed) -> None:
+        news = replayed.findings.changes
+        if replayed.findings.recapture:
+            dropped = replayed.findings.dropped
+            warn_at_user_line(
+                f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
+            )
+            self.report.recaptures.extend(news)
+        elif news:
+            get_logger().info("TrainStep: %s", "; ".join(news))
+
+    def _eager(self, batch: Batch) -> torch.Tensor:
+        n = self.call_steps
+        self.report.eager_steps += n
+        warming_up = self.phase is Phase.WARMUP
+        if warming_up:
+            self.report.warmup_steps += n
+        role = self._role()
+        last_warmup = self.warmup * self.options.accumulate_calls
+        check_syncs = (
+            warming_up
+            and self.report.eager_steps - n < last_warmup <= self.report.eager_steps
+            and self.device.type == "cuda"
+        )
+        with on_stream(self._stream):
+            batch = self.to_device(batch)
+            if self.graphs is not None:
+                self.graphs.plan.sync_lr()
+            if self._compile_pending:
+                loss, output = self._first_compiled_step(batch, role)
+            elif check_syncs:
+                syncs = record_host_syncs(lambda: self.body.run(batch, role))
+                loss, output = syncs.result
+                if syncs.found:
+                    self._sync_hint = syncs.describe()
+            else:
+                loss, output = self.body.run(batch, role)
+        if role == "train":
+            self.parallel.count_forwards(n)
+        self._eager_before_capture = max(0, self._eager_before_capture - n)
+        self.output = _detached(output)
+        return loss
+
+    def to_device(self, batch: Batch) -> Batch:
+        return batch.to(self.device, channels_last=self.options.channels_last)
+
+    # ----------------------------------------------------------------- compile
+    def _first_compiled_step(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any]:
+        """Compile first, outside the wrapper, then agree: every rank runs compiled, or every
+        rank plain.
+
+        Building DDP is a collective, so a rank falling back alone would leave the ranks in
+        different collectives; and inside DDP's forward a failing rank would already have joined
+        the buffer broadcast. So the compiling forward runs on the compiled module itself (no
+        DDP, no backward), with the RNG forked and the buffers put back: training sees no extra
+        step. Then one tiny all-reduce decides, and every rank rebuilds the wrapper if any rank
+        failed.
+        """
+        self._compile_pending = False
+        failure = self._try_compile(batch)
+        ok, _ = self.parallel.agree(failure is None, False)
+        if not ok:
+            reason = failure or "it failed on another rank (that rank's warning says why)"
+            self.warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
+            self.body.parallel = self._rewrap()
+            if self.graphs is not None:
+                self.graphs.parameters_changed()
+        return self.body.run(batch, role)
+
+    def _try_compile(self, batch: Batch) -> str | None:
+        """Run the compiled module's first forward (it compiles); why it failed, or None."""
+        from torch._dynamo.exc import TorchDynamoException
+
+        from ..errors import first_line
+
+        if batch.source is not None:  # step(data): the batch it would gather first
+            batch = gathered_batch(batch.source, batch.source.peek())
+        first = batch.split(self.options.accumulate)[0]
+        module = self.parallel.inner
+        plain = getattr(module, "_orig_mod", module)
+        saved = [b.detach().clone() for b in plain.buffers()]
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), self.body.precision.autocast():
+                self.body.forward(module, first)
+        except TorchDynamoException as exc:
+            root = exc.__cause__ or getattr(exc, "inner_exception", None)  # a backend's own error
+            cause = f" ({first_line(root, with_type=True)})" if root is not None else ""
+            return first_line(exc, with_type=True) + cause
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(plain.buffers(), saved):
+                    buffer.copy_(value)
+        return None
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self, batch: Batch) -> Any:
+        """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature."""
+        key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
+        if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):
+            self._capture_eval(key, batch)
+        if self.graphs is not None and key in self.graphs:
+            replayed = self.graphs.replay(key, batch)
+            self._note_changes(replayed)
+            if replayed.replayed:
+                self.report.eval_replays += 1
+                return replayed.output
+        with on_stream(self._stream):
+            return self.body.forward_eval(self.to_device(batch))
+
+    def _eval_capture_due(self, key: GraphKey) -> bool:
+        if self.options.graph == "never" or key in self._graphs().uncapturable:
+            return False
+        self._eval_calls[key] += 1
+        return self._eval_calls[key] > _EVAL_WARMUP
+
+    def _capture_eval(self, key: GraphKey, batch: Batch) -> None:
+        started = time.perf_counter()
+        result = self._graphs().capture(key, self.to_device(batch), self.body.forward_eval)
+        if isinstance(result, CaptureFailure):
+            self.warn_or_raise(
+                f"evaluation of {describe(batch.signature)} runs eagerly: {result.reason}"
+            )
+            return
+        self._record_capture(key, started)
+
+    # ----------------------------------------------------------------- plan and exits
+    def _planned_warmup(self) -> int:
+        steps = self.options.warmup or DEFAULT_WARMUP
+        allows = self.parallel.count_allows_capture
+        # one more step whose syncs are recorded, then capture at a count DDP does not time
+        while not (allows(steps) and allows(steps - 1)):
+            steps += 1
+        return steps
+
+    def enter_eager(self, reason: str, *, warn: bool = True) -> None:
+        """Leave the graphed path for good: raise under graph='always', else warn once."""
+        self.phase = Phase.EAGER
+        self.body.set_to_none = True
+        if self.options.graph == "never":
+            return
+        if self.options.graph == "always":
+            raise CaptureError(f"TrainStep(graph='always') cannot capture: {reason}.")
+        if warn:
+            warn_at_user_line(f"TrainStep runs eagerly: {reason}")
+        self.report.fallbacks.append(reason)
+
+    def warn_or_raise(self, message: str) -> None:
+        if self.options.graph == "always":
+            raise CaptureError(message)
+        warn_at_user_line(f"TrainStep continues eagerly; {message}")
+        self.report.fallbacks.append(message)
+
+
+def build_graphs(
+    engine: GraphEngine | None,
+    options: StepOptions,
+    device: torch.device,
+    parameters: Parameters,
+    optimizer: torch.optim.Optimizer,
+) -> Graphs | str:
+    """The step's graphs, or why it runs eagerly.
+
+    Without CUDA and without an engine the optimizer is left as it is, but one that could not
+    be captured is named in a warning, so a CPU dry run tells what the GPU run would do.
+    """
+    if options.graph == "never":
+        return "graph='never'"
+    fp16 = options.amp == "fp16"
+    if device.type != "cuda":
+        problem = graph_safety_problem(optimizer)
+        if problem is not None:
+            warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
+        if engine is None or problem is not None:
+            return f"the model is on {device}, not CUDA"
+    return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)
+
+
+def _detached(output: Any) -> Any:
+    """The model output without its autograd graph (kept as ``step.output`` after backward)."""
+    try:
+        from torch.utils._pytree import tree_map_only
+
+        return tree_map_only(torch.Tensor, lambda t: t.detach(), output)
+    except Exception:  # an output type pytree cannot rebuild: keep it as it is
+        return output
