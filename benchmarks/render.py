@@ -17,7 +17,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ddpgraph.bench_report import MODE_TITLES, chart, table_rows, to_markdown
+from ddpgraph.bench.report import MODE_TITLES, chart, table_rows, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"

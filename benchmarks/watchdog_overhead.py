@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph
-from ddpgraph import bench, watchdog
+from ddpgraph import bench
+from ddpgraph.dist import watchdog
 from ddpgraph import step as step_module
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -157,7 +157,7 @@ def die_during_second_save(directory: str, victim: int, where: str) -> None:
 
             dcp_fs.FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
         else:  # rank 0, after every rank's data and the metadata, before the rename
-            ddpgraph.checkpoint._commit_on_rank0 = _die
+            ddpgraph.checkpoint.save._commit_on_rank0 = _die
     job.save(directory, 4)
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from ddpgraph import TrainStep
 from ddpgraph.bench import CONFIGS, MODES, QUICK, choose, cpu_warnings
-from ddpgraph.bench_report import table_rows, to_markdown
+from ddpgraph.bench.report import table_rows, to_markdown
 from ddpgraph.cli import cli
 
 
@@ -152,7 +152,7 @@ def test_bench_varlen_quick_runs_every_mode_on_padded_buckets(tmp_path):
 
 
 def test_causal_lm_ignores_padding_labels():
-    from ddpgraph.bench_varlen import QUICK_LM, CausalLM
+    from ddpgraph.bench.varlen import QUICK_LM, CausalLM
 
     torch.manual_seed(0)
     model = CausalLM(QUICK_LM).eval()

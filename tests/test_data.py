@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpgraph
 from ddpgraph import ConfigError, pad_batch, prefetch
-from ddpgraph.data import _Lookahead, _map_tensors
+from ddpgraph.data.prefetch import _Lookahead, _map_tensors
 
 Pair = namedtuple("Pair", ["x", "y"])
 

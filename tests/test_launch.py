@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from ddpgraph.cli import cli
+from ddpgraph.dist.launch import RUN_MODULE, RUN_PATH, WORKER_MODULE, torchrun_args
 from ddpgraph.errors import ConfigError
-from ddpgraph.launch import RUN_MODULE, RUN_PATH, WORKER_MODULE, torchrun_args
 
 from .procs import run_python
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from ddpgraph import ObjectCollectiveError, torch_patch
+from ddpgraph import ObjectCollectiveError
+from ddpgraph.dist import torch_patch
 from ddpgraph.testing import run_distributed
 
 from . import object_workers as w

@@ -21,7 +21,8 @@ import pytest
 import torch.distributed as dist
 
 import ddpgraph
-from ddpgraph import CollectiveTimeout, ConfigError, watchdog
+from ddpgraph import CollectiveTimeout, ConfigError
+from ddpgraph.dist import watchdog
 from ddpgraph.testing import run_distributed
 
 from . import watchdog_workers

@@ -14,7 +14,9 @@ from .checkpoint import (
     save_checkpoint_async,
 )
 from .data import pad_batch, prefetch
-from .device_data import DeviceData
+from .data.device_data import DeviceData
+from .dist.objects import all_gather_object, broadcast_object, gather_object
+from .dist.runtime import Runtime, get_runtime, init, shutdown
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -25,8 +27,6 @@ from .errors import (
     ObjectCollectiveError,
     explain,
 )
-from .objects import all_gather_object, broadcast_object, gather_object
-from .runtime import Runtime, get_runtime, init, shutdown
 from .step import StepReport, TrainStep
 
 __version__ = "0.1.0"

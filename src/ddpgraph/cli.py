@@ -210,7 +210,7 @@ def bench(
     if problem:  # found now, not after the whole run has been measured
         raise click.BadParameter(problem, param_hint="'--out'")
     if varlen and hf:
-        from .bench_hf import ARCHITECTURES, run_hf
+        from .bench.hf import ARCHITECTURES, run_hf
 
         names = [n for n in hf if n != "all"] or None
         unknown = sorted(set(names or []) - set(ARCHITECTURES))
@@ -221,7 +221,7 @@ def bench(
         run_hf(repeats=repeats, out=out, only=names, steps=steps)
         return
     if varlen:
-        from .bench_varlen import run_varlen
+        from .bench.varlen import run_varlen
 
         run_varlen(repeats=repeats, quick=quick, out=out)
         return
@@ -418,7 +418,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
     Exit status: 0 when every worker succeeded, 1 when one failed, 2 for a usage error.
     """
-    from .launch import launch as run_launch
+    from .dist.launch import launch as run_launch
 
     try:
         status = run_launch(torchrun_args)

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from ddpgraph.bench_hf import ARCHITECTURES, HEADLINE, masked_batches
+from ddpgraph.bench.hf import ARCHITECTURES, HEADLINE, masked_batches
 from ddpgraph.step.optim import make_graph_safe
 
 transformers = pytest.importorskip("transformers")

@@ -7,8 +7,8 @@ import torch
 
 import ddpgraph
 from ddpgraph import DeviceConflictError
+from ddpgraph.dist.torch_patch import patch_torch, unpatch
 from ddpgraph.testing import run_distributed
-from ddpgraph.torch_patch import patch_torch, unpatch
 
 from . import object_gpu_workers
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph
-from ddpgraph import watchdog
+from ddpgraph.dist import watchdog
 
 HANG_STEP = 3
 

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 
 from .._debug import DEBUG_ENV, debug_requested
-from ..checkpoint import (
+from ..checkpoint.layout import (
     CheckpointError,
     checkpoint_problem,
     latest_checkpoint,
     read_manifest,
     step_dirs,
 )
-from ..launch import default_nproc, run_local
+from ..dist.launch import default_nproc, run_local
 from .train import (
     FAILED,
     INTERRUPTED,

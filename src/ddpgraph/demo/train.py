@@ -33,7 +33,7 @@ import ddpgraph
 
 from .._debug import REPORTED, debug_requested
 from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
-from ..device_data import DeviceData, fits_on_device, nbytes_of
+from ..data.device_data import DeviceData, fits_on_device, nbytes_of
 from ..errors import ConfigError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..dist.launch import default_nproc, run_local
+from ..dist.objects import all_gather_object
+from ..dist.runtime import Runtime, device_identity
 from ..errors import explain, explain_exception
-from ..launch import default_nproc, run_local
-from ..objects import all_gather_object
-from ..runtime import Runtime, device_identity
 
 __all__ = [
     "CHECKS",

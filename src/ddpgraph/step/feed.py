@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..data import upload_into
+from .._checks import is_int
+from ..data.prefetch import upload_into
 from ..errors import ConfigError
 from .batch import Batch, data_batch
 from .optim import hyperparameters
-from .options import is_int
 
 if TYPE_CHECKING:
-    from ..device_data import DeviceData
+    from ..data.device_data import DeviceData
     from .report import StepReport
 
 __all__ = ["DataFeed", "StepwiseLR"]

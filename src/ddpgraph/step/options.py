@@ -4,7 +4,6 @@ combination fails before the first step, not in the middle of training."""
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._checks import is_int, is_number
 from .._frames import PACKAGE_DIR, frame_outside, in_directories
 from ..errors import ConfigError, DeviceConflictError
 from .parallel import check_not_wrapped
@@ -23,8 +23,6 @@ __all__ = [
     "StepOptions",
     "check_model",
     "check_optimizer",
-    "is_int",
-    "is_number",
     "model_device",
     "warn_at_user_line",
 ]
@@ -95,14 +93,6 @@ class StepOptions:
             raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 1 or None.")
         if not isinstance(self.channels_last, bool):
             raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is an int to Python
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy too
 
 
 def _check_compile(value: object) -> None:

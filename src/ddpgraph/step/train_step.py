@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import watchdog
-from ..device_data import DeviceData
+from ..data.device_data import DeviceData
+from ..dist import watchdog
 from ..errors import CaptureError, ConfigError
 from .batch import make_batch
 from .body import LossFn, StepBody

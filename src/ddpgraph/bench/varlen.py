@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import runtime
-from .bench import _fresh, _step_times, _summary, _write_json, environment
-from .data import pad_batch
-from .step import TrainStep
+from ..data import pad_batch
+from ..dist import runtime
+from ..step import TrainStep
+from . import _fresh, _step_times, _summary, _write_json, environment
 
 VARLEN_MODES = ("eager_ddp", "eager_ddp_padded", "compile_reduce_overhead", "train_step_buckets")
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from . import runtime
-from .bench import _fresh, _step_times, _summary, _write_json, environment
-from .data import pad_batch
-from .step import TrainStep
-from .step.optim import make_graph_safe
+from ..data import pad_batch
+from ..dist import runtime
+from ..step import TrainStep
+from ..step.optim import make_graph_safe
+from . import _fresh, _step_times, _summary, _write_json, environment
 
 Batch = dict[str, torch.Tensor]
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 from torch._C._distributed_c10d import Store
 
-from .errors import CollectiveTimeout, first_line
+from ..errors import CollectiveTimeout, first_line
 
 __all__ = ["BarrierResult", "forget_barrier", "store_barrier"]
 

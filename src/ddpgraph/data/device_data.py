@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from .data import check_int, upload_into
-from .errors import ConfigError
+from .._checks import check_int
+from ..errors import ConfigError
+from .prefetch import upload_into
 
 __all__ = ["DeviceData", "fits_on_device"]
 
@@ -329,7 +330,7 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
 
 
 def _device(device: torch.device | str | None, tensors: tuple[torch.Tensor, ...]) -> torch.device:
-    from .runtime import get_runtime
+    from ..dist.runtime import get_runtime
 
     if device is not None:
         chosen = torch.device(device)

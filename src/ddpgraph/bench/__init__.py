@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import runtime
-from .device_data import DeviceData
-from .step import TrainStep
+from ..data.device_data import DeviceData
+from ..dist import runtime
+from ..step import TrainStep
 
 WARMUP_STEPS = 14  # TrainStep: 12 eager, the capture, one replay; the same count for every mode
 
@@ -440,7 +440,7 @@ def _run_line(name: str, r: int, repeats: int, run: dict[str, Any]) -> str:
 
 def write_outputs(results: dict[str, Any], out: Path) -> None:
     """``out`` (JSON), and beside it the markdown table (.md) and the chart (.png, if matplotlib)."""
-    from .bench_report import chart, table_rows, to_markdown
+    from .report import chart, table_rows, to_markdown
 
     _write_json(results, out)
     rows = table_rows(out.name, results)
