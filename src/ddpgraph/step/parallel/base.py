@@ -41,9 +41,18 @@ class DataParallel:
         """At the end of each optimizer step (inside the graph): buffer sync, if any."""
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the gradients to ``max_norm`` on the device (no host sync); the total norm."""
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        """Clip the gradients to ``max_norm`` on the device (no host sync); the total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` returns it in the eager loop."""
+        return torch.nn.utils.clip_grad_norm_(self._grads_of(), max_norm, foreach=True)
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total (2-)norm of the gradients, without clipping, on the device (no host sync):
+        the value :meth:`clip_grad_norm_` would return."""
+        grads = [p.grad for p in self._grads_of() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, foreach=True)
+
+    def _grads_of(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.grad is not None]
 
     # ----------------------------------------------------------------- capture preconditions
     def count_forwards(self, n: int) -> None:
