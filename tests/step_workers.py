@@ -273,3 +273,35 @@ def batchnorm_vs_eager_ddp(steps: int, accumulate: int) -> dict:
         "ours": {k: v.clone() for k, v in model.state_dict().items()},
         "theirs": {k: v.clone() for k, v in reference.state_dict().items()},
     }
+
+
+def grad_norm_vs_ddp(steps: int) -> dict:
+    """step.grad_norm (clipping at 0.5) against the DDP loop's clip_grad_norm_, per step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ddpgraph.testing import CpuGraphs
+
+    rank = torch.distributed.get_rank()
+    data = batches(steps, 8, seed=7 + rank)
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        nn.CrossEntropyLoss(),
+        clip_grad_norm=0.5,
+        engine=CpuGraphs(),
+    )
+    ours = []
+    for x, y in data:
+        step(x, y)
+        ours.append(step.grad_norm.clone())
+    reference = make_model()
+    ddp = DDP(reference)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    theirs = []
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        theirs.append(torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5))
+        opt.step()
+    return {"ours": ours, "theirs": theirs, "replays": step.report().replays}

@@ -42,6 +42,7 @@ class StepBody:
         accumulate: int,
         accumulate_calls: int,
         clip_grad_norm: float | None,
+        measure_grad_norm: bool,
         channels_last: bool,
     ) -> None:
         self.parallel = parallel
@@ -51,6 +52,8 @@ class StepBody:
         self.accumulate = accumulate
         self.accumulate_calls = accumulate_calls
         self.clip_grad_norm = clip_grad_norm
+        self.measure_grad_norm = measure_grad_norm
+        self.grad_norm: torch.Tensor | None = None  # of the latest update (None: not measured)
         self.channels_last = channels_last
         # False while graphs are possible: a graph reads and writes the same .grad tensors on
         # every replay; True once the step is eager for good (as a plain loop's zero_grad)
@@ -88,8 +91,9 @@ class StepBody:
             total = part if total is None else total + part
         assert total is not None
         if role == "micro":
+            self.grad_norm = None
             return total, output
-        self.precision.update(self.optimizer, self._clip if self.clip_grad_norm else None)
+        self.grad_norm = self.precision.update(self.optimizer, self._norm_step())
         self.parallel.after_step()
         if calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
@@ -102,6 +106,7 @@ class StepBody:
         assert self.feed is not None
         data = batch.source
         losses: list[torch.Tensor] = []
+        norms: list[torch.Tensor] = []
         output: Any = None
         for j, tensors in enumerate(data.next_batches(batch.steps)):
             self.feed.lr.apply(j)
@@ -111,7 +116,17 @@ class StepBody:
             )
             loss, output = self.run(gathered)
             losses.append(loss)
+            if self.grad_norm is not None:
+                norms.append(self.grad_norm)
+        self.grad_norm = torch.stack(norms) if norms else None
         return torch.stack(losses), output
+
+    def _norm_step(self) -> Callable[[], torch.Tensor] | None:
+        """What runs before the update on unscaled gradients: the clipping (its result is the
+        norm), the norm alone, or nothing."""
+        if self.clip_grad_norm is not None:
+            return self._clip
+        return self.parallel.grad_norm if self.measure_grad_norm else None
 
     def _clip(self) -> torch.Tensor:
         assert self.clip_grad_norm is not None

@@ -46,6 +46,7 @@ class StepOptions:
     grad_scaler: Mapping[str, float] | None = None
     accumulate_calls: int = 1
     steps_per_replay: int = 1
+    grad_norm: bool = False
 
     def __post_init__(self) -> None:
         if not is_int(self.accumulate_calls) or self.accumulate_calls < 1:
@@ -91,6 +92,11 @@ class StepOptions:
             )
         if self.warmup is not None and (not is_int(self.warmup) or self.warmup < 1):
             raise ConfigError(f"warmup={self.warmup!r} must be an integer >= 1 or None.")
+        if not isinstance(self.grad_norm, bool):
+            raise ConfigError(
+                f"grad_norm={self.grad_norm!r} must be True or False (True: step.grad_norm holds "
+                "each update's total gradient norm)."
+            )
         if not isinstance(self.channels_last, bool):
             raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
 

@@ -73,6 +73,7 @@ class CapturePolicy:
         self.phase = Phase.WARMUP
         self.warmup = self._planned_warmup()
         self.output: Any = None
+        self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
         self.call_steps = 1  # training steps in the current call (step(data): up to K)
         self.micro_batches = 0  # accumulate_calls: micro-batches taken since the last update
         self._compile_pending = bool(options.compile)  # compiled, not yet past its first forward
@@ -222,9 +223,9 @@ class CapturePolicy:
             self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
         return result
 
-    def _captured(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any]:
+    def _captured(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
         loss, output = self.body.run(batch, role)
-        return loss, _detached(output)
+        return loss, _detached(output), self.body.grad_norm
 
     def _record_capture(self, key: GraphKey, started: float) -> None:
         seconds = time.perf_counter() - started
@@ -266,7 +267,7 @@ class CapturePolicy:
         self._note_changes(replayed)
         if not replayed.replayed:
             return None
-        loss, self.output = replayed.output
+        loss, self.output, self.grad_norm = replayed.output
         self.report.replays += 1
         return loss
 
@@ -311,6 +312,7 @@ class CapturePolicy:
             self.parallel.count_forwards(n)
         self._eager_before_capture = max(0, self._eager_before_capture - n)
         self.output = _detached(output)
+        self.grad_norm = self.body.grad_norm
         return loss
 
     def to_device(self, batch: Batch) -> Batch:

@@ -171,10 +171,14 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def update(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None) -> None:
-        if clip is not None:
-            clip()
+    def update(
+        self, optimizer: torch.optim.Optimizer, clip: Callable[[], torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """``clip()`` (clipping, or only measuring the grad norm; None: neither), then the
+        optimizer's step; what ``clip()`` returned (the total norm of the unscaled gradients)."""
+        norm = clip() if clip is not None else None
         optimizer.step()
+        return norm
 
     def skipped_steps(self) -> int | None:
         return None
@@ -197,7 +201,9 @@ class Fp16(Precision):
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def update(self, optimizer: torch.optim.Optimizer, clip: Callable[[], object] | None) -> None:
+    def update(
+        self, optimizer: torch.optim.Optimizer, clip: Callable[[], torch.Tensor] | None
+    ) -> torch.Tensor | None:
         """Clip (on unscaled gradients) and step; skip an overflowed step on the device and
         update the scale, as GradScaler does."""
         # GradScaler unscales before clipping, and for an optimizer that cannot take the scale
@@ -209,10 +215,10 @@ class Fp16(Precision):
             if p.grad is not None
         ]
         self.scaler.check(grads, unscale=unscale)
-        if clip is not None:
-            clip()
+        norm = clip() if clip is not None else None
         self.scaler.step(optimizer, unscaled=unscale)
         self.scaler.update()
+        return norm
 
     def skipped_steps(self) -> int | None:
         return int(self.scaler.skipped.item())  # a host read: report() only

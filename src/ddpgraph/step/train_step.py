@@ -81,6 +81,8 @@ class TrainStep:
         accumulate: k micro-batches per step (every batch tensor split along dim 0).
         accumulate_calls: k calls per optimizer step, one micro-batch each.
         clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
+        grad_norm: True measures the total gradient norm of every update without clipping
+            (with ``clip_grad_norm`` it is always measured): :attr:`grad_norm`.
         on_new_shape: a batch unlike every captured one: "eager" runs it eagerly, "capture"
             records another graph in the same pool (pad with :func:`ddpgraph.pad_batch`),
             "error" raises ``ValueError`` naming the entry that changed.
@@ -119,11 +121,12 @@ class TrainStep:
         grad_scaler: Mapping[str, float] | None = None,
         accumulate_calls: int = 1,
         steps_per_replay: int = 1,
+        grad_norm: bool = False,
         engine: GraphEngine | None = None,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
-            channels_last, grad_scaler, accumulate_calls, steps_per_replay,
+            channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
         )  # fmt: skip
         check_model(model)
         check_optimizer(optimizer, model)
@@ -145,6 +148,7 @@ class TrainStep:
             accumulate=accumulate,
             accumulate_calls=accumulate_calls,
             clip_grad_norm=clip_grad_norm,
+            measure_grad_norm=grad_norm,
             channels_last=channels_last,
         )
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
@@ -179,6 +183,14 @@ class TrainStep:
     def output(self) -> Any:
         """The model's output of the latest step (graph-owned once captured)."""
         return self._policy.output
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total norm of the latest update's (unscaled) gradients, as ``clip_grad_norm_``
+        returns it in an eager loop: a 0-dim device tensor (``[k]`` for a ``step(data)`` call of
+        k steps), graph-owned like the loss; None after a call that did not step the optimizer
+        (an ``accumulate_calls`` micro-batch) or without ``clip_grad_norm`` and ``grad_norm``."""
+        return self._policy.grad_norm
 
     @property
     def phase(self) -> Phase:
