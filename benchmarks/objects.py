@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import ddpgraph as dg
 from ddpgraph.bench import git_commit
-from ddpgraph.dist.codec import encode
+from ddpgraph.distributed.codec import encode
 
 ROOT = Path(__file__).resolve().parent.parent
 # name, timed iterations (see make_object for the objects)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import ddpgraph
 from ddpgraph import bench
-from ddpgraph.dist import watchdog
+from ddpgraph.distributed import watchdog
 from ddpgraph import step as step_module
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph as dg
-from ddpgraph.dist import objects, torch_patch
+from ddpgraph.distributed import objects, torch_patch
 
 
 def _rank() -> int:
@@ -145,7 +145,7 @@ def many_calls_with_timeout(n: int) -> list:
 
 def fake_nccl_on_shared_gpu() -> Any:
     """NCCL seen by objects.py, every rank on cuda:0 of one host: must fail before any NCCL call."""
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     objects.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
@@ -254,7 +254,7 @@ def nccl_uses_the_bound_device() -> Any:
     import threading
     from types import SimpleNamespace
 
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     rank = _rank()
     objects.get_runtime = lambda: SimpleNamespace(device=torch.device("cuda", rank))  # type: ignore[assignment]

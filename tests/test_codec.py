@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddpgraph.dist.codec import DecodeError, UnsupportedTypeError, decode, encode
+from ddpgraph.distributed.codec import DecodeError, UnsupportedTypeError, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -241,7 +241,7 @@ def test_refuses_object_dtype_arrays_in_payloads():
 
 
 def test_large_tensors_travel_outside_the_msgpack_body():
-    from ddpgraph.dist.codec import encode_parts
+    from ddpgraph.distributed.codec import encode_parts
 
     t = torch.arange(1 << 16, dtype=torch.float32)
     parts = encode_parts({"a": t, "b": (t[:10].to(torch.bfloat16),)})

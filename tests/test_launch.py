@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from ddpgraph.cli import cli
-from ddpgraph.dist.launch import RUN_MODULE, RUN_PATH, WORKER_MODULE, torchrun_args
+from ddpgraph.distributed.launch import RUN_MODULE, RUN_PATH, WORKER_MODULE, torchrun_args
 from ddpgraph.errors import ConfigError
 
 from .procs import run_python

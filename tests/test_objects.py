@@ -8,7 +8,7 @@ import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
-from ddpgraph.dist.codec import encode
+from ddpgraph.distributed.codec import encode
 from ddpgraph.errors import DistributedStateError, ObjectArgumentError
 from ddpgraph.testing import run_distributed
 

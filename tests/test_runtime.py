@@ -10,7 +10,7 @@ import torch
 
 import ddpgraph
 from ddpgraph import ConfigError, DeviceConflictError, DistributedStateError
-from ddpgraph.dist.runtime import as_timedelta, raise_on_device_conflicts, read_launch_env
+from ddpgraph.distributed.runtime import as_timedelta, raise_on_device_conflicts, read_launch_env
 from ddpgraph.errors import CollectiveTimeout
 from ddpgraph.testing import WorkerError, run_distributed
 
@@ -38,7 +38,7 @@ def test_context_manager_shuts_down():
 
 def test_shutdown_runs_each_hook_once_in_order_and_raises_a_hooks_error_after_finishing():
     from ddpgraph import _globals
-    from ddpgraph.dist import runtime, watchdog
+    from ddpgraph.distributed import runtime, watchdog
 
     seen: list[str] = []
 
@@ -177,7 +177,7 @@ def test_nccl_without_cuda_is_refused():
 
 
 def test_local_rank_beyond_device_count(monkeypatch):
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -272,7 +272,7 @@ def test_a_rank_that_never_arrives_times_out_clearly():
 
 
 def test_device_check_names_the_ranks_that_never_arrived():
-    from ddpgraph.dist.runtime import check_unique_devices
+    from ddpgraph.distributed.runtime import check_unique_devices
 
     store = torch.distributed.HashStore()
     with pytest.raises(

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 
-from ddpgraph.dist.store import _read_verdict, store_barrier
+from ddpgraph.distributed.store import _read_verdict, store_barrier
 from ddpgraph.errors import CollectiveTimeout
 
 

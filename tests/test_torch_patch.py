@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from ddpgraph import ObjectCollectiveError
-from ddpgraph.dist import torch_patch
+from ddpgraph.distributed import torch_patch
 from ddpgraph.testing import run_distributed
 
 from . import object_workers as w

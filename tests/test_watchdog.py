@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import ddpgraph
 from ddpgraph import CollectiveTimeout, ConfigError
-from ddpgraph.dist import watchdog
+from ddpgraph.distributed import watchdog
 from ddpgraph.testing import run_distributed
 
 from . import watchdog_workers

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpgraph.dist.watchdog_messages import (
+from ddpgraph.distributed.watchdog_messages import (
     Hang,
     Heartbeat,
     Observer,

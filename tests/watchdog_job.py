@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import ddpgraph
-from ddpgraph.dist import watchdog
+from ddpgraph.distributed import watchdog
 
 STEPS = 400
 FAULT_STEP = 20

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ddpgraph.dist.store import store_barrier
+from ddpgraph.distributed.store import store_barrier
 from ddpgraph.errors import CollectiveTimeout
 
 
@@ -99,7 +99,7 @@ def watchdog_keys_after_shutdown() -> dict[str, list[str]]:
     import threading
 
     import ddpgraph
-    from ddpgraph.dist import watchdog
+    from ddpgraph.distributed import watchdog
 
     base = _base_store(dist.distributed_c10d._get_default_store())
     with watchdog.watch("eager", step=1):

@@ -30,7 +30,7 @@ def runtime_facts() -> dict:
 
 def init_with_fake_uuids(uuids: list[str]) -> None:
     """ddpgraph.init with each rank's device identity replaced by uuids[rank] (CI has no GPU)."""
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     rank = int(os.environ["RANK"])
     runtime.device_identity = lambda device: uuids[rank]  # type: ignore[assignment]
@@ -54,7 +54,7 @@ class _SlowReadStore:
 
 def init_with_fake_uuids_slow_readers(uuids: list[str]) -> None:
     """init_with_fake_uuids where rank 0, which hosts the store, reads the device list first."""
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     rank = int(os.environ["RANK"])
     rendezvous = runtime._rendezvous
@@ -118,7 +118,7 @@ def skip_a_collective_then_shut_down() -> dict:
 
 def adopt_with_fake_uuids(uuids: list[str], pretend_nccl: bool) -> str:
     """The application makes the group itself, then calls ddpgraph.init (CI has no GPU)."""
-    from ddpgraph.dist import runtime
+    from ddpgraph.distributed import runtime
 
     rank = int(os.environ["RANK"])
     runtime.device_identity = lambda device: uuids[rank]  # type: ignore[assignment]

@@ -15,8 +15,8 @@ from .checkpoint import (
 )
 from .data import pad_batch, prefetch
 from .data.device_data import DeviceData
-from .dist.objects import all_gather_object, broadcast_object, gather_object
-from .dist.runtime import Runtime, get_runtime, init, shutdown
+from .distributed.objects import all_gather_object, broadcast_object, gather_object
+from .distributed.runtime import Runtime, get_runtime, init, shutdown
 from .errors import (
     CaptureError,
     CollectiveTimeout,

@@ -418,7 +418,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 
     Exit status: 0 when every worker succeeded, 1 when one failed, 2 for a usage error.
     """
-    from .dist.launch import launch as run_launch
+    from .distributed.launch import launch as run_launch
 
     try:
         status = run_launch(torchrun_args)

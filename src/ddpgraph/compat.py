@@ -1,9 +1,9 @@
-"""The old name of :mod:`ddpgraph.dist.torch_patch`, kept so that ``from ddpgraph import compat`` and
-``ddpgraph.compat.patch_torch()`` keep working. New code imports :mod:`ddpgraph.dist.torch_patch`."""
+"""The old name of :mod:`ddpgraph.distributed.torch_patch`, kept so that ``from ddpgraph import compat`` and
+``ddpgraph.compat.patch_torch()`` keep working. New code imports :mod:`ddpgraph.distributed.torch_patch`."""
 
 from __future__ import annotations
 
-from .dist.torch_patch import (
+from .distributed.torch_patch import (
     all_gather_object,
     broadcast_object_list,
     gather_object,

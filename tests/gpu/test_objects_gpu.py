@@ -7,7 +7,7 @@ import torch
 
 import ddpgraph
 from ddpgraph import DeviceConflictError
-from ddpgraph.dist.torch_patch import patch_torch, unpatch
+from ddpgraph.distributed.torch_patch import patch_torch, unpatch
 from ddpgraph.testing import run_distributed
 
 from . import object_gpu_workers

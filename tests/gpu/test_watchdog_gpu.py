@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpgraph.dist import watchdog
+from ddpgraph.distributed import watchdog
 
 TIMEOUT_S = 5.0
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph
-from ddpgraph.dist import watchdog
+from ddpgraph.distributed import watchdog
 
 HANG_STEP = 3
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..data.device_data import DeviceData
-from ..dist import runtime
+from ..distributed import runtime
 from ..step import TrainStep
 
 WARMUP_STEPS = 14  # TrainStep: 12 eager, the capture, one replay; the same count for every mode

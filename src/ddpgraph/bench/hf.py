@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..data import pad_batch
-from ..dist import runtime
+from ..distributed import runtime
 from ..step import TrainStep
 from ..step.optim import make_graph_safe
 from . import _fresh, _step_times, _summary, _write_json, environment

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..data import pad_batch
-from ..dist import runtime
+from ..distributed import runtime
 from ..step import TrainStep
 from . import _fresh, _step_times, _summary, _write_json, environment
 

@@ -112,7 +112,7 @@ def _agreed(problem: str | None, distributed: bool) -> str | None:
     """``problem`` as every rank sees it: the first rank's that has one, or None on every rank."""
     if not distributed:
         return problem
-    from ..dist.objects import all_gather_object
+    from ..distributed.objects import all_gather_object
 
     found = [(r, p) for r, p in enumerate(all_gather_object(problem)) if p is not None]
     return None if not found else f"{found[0][1]} (rank {found[0][0]})"
@@ -126,7 +126,7 @@ def _agreed_candidates(
     mine = {path.name: checkpoint_problem(path) for path in step_dirs(directory)}
     views = [mine]
     if distributed:
-        from ..dist.objects import all_gather_object
+        from ..distributed.objects import all_gather_object
 
         views = all_gather_object(mine)
     root = Path(directory)
@@ -158,7 +158,7 @@ def _raise_on_any_rank(problem: str | None, distributed: bool) -> None:
     """Raise ``problem`` on every rank when any rank has one (the others would wait in DCP)."""
     problems = {0: problem}
     if distributed:
-        from ..dist.objects import all_gather_object
+        from ..distributed.objects import all_gather_object
 
         problems = dict(enumerate(all_gather_object(problem)))
     found = {rank: text for rank, text in problems.items() if text is not None}

@@ -330,7 +330,7 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
 
 
 def _device(device: torch.device | str | None, tensors: tuple[torch.Tensor, ...]) -> torch.device:
-    from ..dist.runtime import get_runtime
+    from ..distributed.runtime import get_runtime
 
     if device is not None:
         chosen = torch.device(device)

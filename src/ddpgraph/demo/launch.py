@@ -21,7 +21,7 @@ from ..checkpoint.layout import (
     read_manifest,
     step_dirs,
 )
-from ..dist.launch import default_nproc, run_local
+from ..distributed.launch import default_nproc, run_local
 from .train import (
     FAILED,
     INTERRUPTED,

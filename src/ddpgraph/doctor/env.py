@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..dist.launch import default_nproc, run_local
-from ..dist.objects import all_gather_object
-from ..dist.runtime import Runtime, device_identity
+from ..distributed.launch import default_nproc, run_local
+from ..distributed.objects import all_gather_object
+from ..distributed.runtime import Runtime, device_identity
 from ..errors import explain, explain_exception
 
 __all__ = [

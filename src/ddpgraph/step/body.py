@@ -16,6 +16,7 @@ from torch import nn
 
 from .batch import Batch, Role, gathered_batch
 from .feed import DataFeed
+from .options import StepOptions
 from .parallel import DataParallel
 from .precision import Precision
 
@@ -38,23 +39,18 @@ class StepBody:
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None,
         precision: Precision,
-        *,
-        accumulate: int,
-        accumulate_calls: int,
-        clip_grad_norm: float | None,
-        measure_grad_norm: bool,
-        channels_last: bool,
+        options: StepOptions,
     ) -> None:
         self.parallel = parallel
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.precision = precision
-        self.accumulate = accumulate
-        self.accumulate_calls = accumulate_calls
-        self.clip_grad_norm = clip_grad_norm
-        self.measure_grad_norm = measure_grad_norm
+        self.accumulate = options.accumulate
+        self.accumulate_calls = options.accumulate_calls
+        self.clip_grad_norm = options.clip_grad_norm
+        self.measure_grad_norm = options.grad_norm
         self.grad_norm: torch.Tensor | None = None  # of the latest update (None: not measured)
-        self.channels_last = channels_last
+        self.channels_last = options.channels_last
         # False while graphs are possible: a graph reads and writes the same .grad tensors on
         # every replay; True once the step is eager for good (as a plain loop's zero_grad)
         self.set_to_none = False

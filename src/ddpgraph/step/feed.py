@@ -28,6 +28,7 @@ from .optim import hyperparameters
 
 if TYPE_CHECKING:
     from ..data.device_data import DeviceData
+    from .options import StepOptions
     from .report import StepReport
 
 __all__ = ["DataFeed", "StepwiseLR"]
@@ -44,11 +45,12 @@ class DataFeed:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         lr_tensors: list[torch.Tensor] | None,
-        steps_per_replay: int,
+        options: StepOptions,
         device: torch.device,
     ) -> None:
-        self._args = (optimizer, scheduler, lr_tensors, steps_per_replay)
-        self.steps_per_replay = steps_per_replay
+        self._args = (optimizer, scheduler, lr_tensors, options.steps_per_replay)
+        self.accumulate_calls = options.accumulate_calls
+        self.steps_per_replay = options.steps_per_replay
         self.device = device
         self._lr: StepwiseLR | None = None  # built at the first call: the scheduler is checked
         self._sources: dict[int, DeviceData] = {}  # alive while graphs that read them may exist
@@ -62,6 +64,11 @@ class DataFeed:
     def steps_of(self, data: DeviceData, steps: int | None) -> int:
         """Check a ``step(data)`` call; the number of training steps it runs."""
         k = self.steps_per_replay
+        if self.accumulate_calls > 1:
+            raise ConfigError(
+                "step(data) runs whole training steps, but accumulate_calls="
+                f"{self.accumulate_calls} takes one micro-batch per call; use accumulate=k."
+            )
         if data.device != self.device:
             raise ConfigError(
                 f"the DeviceData is on {data.device} but the model is on {self.device}; build it "
@@ -80,6 +87,20 @@ class DataFeed:
                 "batch_size."
             )
         return n
+
+    def check_batch_call(self, steps: int | None) -> None:
+        """A call with a batch of tensors (not a DeviceData): one training step."""
+        if steps is not None:
+            raise ConfigError(
+                f"step(..., steps={steps!r}) takes a ddpgraph.DeviceData as its one argument; "
+                "a batch of tensors is one training step."
+            )
+        if self.steps_per_replay > 1:
+            raise ConfigError(
+                f"TrainStep(steps_per_replay={self.steps_per_replay}) replays several "
+                "steps on batches it gathers itself: call step(data) with a ddpgraph.DeviceData "
+                "(DeviceData(x, y, batch_size=...)), or leave steps_per_replay at 1 for step(x, y)."
+            )
 
     def full_batch(self, data: DeviceData) -> Batch:
         """A whole call's batch: a short call (a run's last steps) is the same data."""

@@ -194,6 +194,14 @@ class Graphs:
     def get(self, key: GraphKey) -> CapturedGraph | None:
         return self._graphs.get(key)
 
+    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The first training graph of a batch of tensors (a ``step(data)`` graph gathers at a
+        device cursor only ``step(data)`` keeps in range), for benchmarks; None if none."""
+        for key in self.keys_of("train"):
+            if not key.reads_device_data:
+                return self._graphs[key].graph
+        return None
+
     def parameters_changed(self) -> None:
         """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
         self.params = _trainable(self._parameters())

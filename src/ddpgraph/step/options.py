@@ -21,6 +21,7 @@ __all__ = [
     "GraphMode",
     "NewShapePolicy",
     "StepOptions",
+    "check_loss_fn",
     "check_model",
     "check_optimizer",
     "model_device",
@@ -33,7 +34,30 @@ NewShapePolicy = Literal["eager", "capture", "error"]
 
 @dataclass(frozen=True)
 class StepOptions:
-    """TrainStep's options, validated when the TrainStep is built."""
+    """TrainStep's options, validated when the TrainStep is built (keyword-only there).
+
+    Attributes:
+        graph: "auto" captures where CUDA is available, else eager with a warning saying why;
+            "always" raises :class:`CaptureError` instead; "never" stays eager.
+        amp: None, bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``) or fp16 (``"fp16"``,
+            ``"float16"``, ``torch.float16``): autocast around forward and loss. fp16 adds dynamic
+            loss scaling inside the graph, op for op as ``torch.amp.GradScaler`` with a fused
+            optimizer (switched on for Adam/AdamW/SGD); :attr:`TrainStep.loss_scale` is the scale.
+        grad_scaler: fp16's ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``, as ``torch.amp.GradScaler`` takes them.
+        accumulate: k micro-batches per step (every batch tensor split along dim 0).
+        accumulate_calls: k calls per optimizer step, one micro-batch each.
+        clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
+        grad_norm: True measures the total gradient norm of every update without clipping
+            (with ``clip_grad_norm`` it is always measured): ``TrainStep.grad_norm``.
+        on_new_shape: a batch unlike every captured one: "eager" runs it eagerly, "capture"
+            records another graph in the same pool (pad with :func:`ddpgraph.pad_batch`),
+            "error" raises ``ValueError`` naming the entry that changed.
+        warmup: eager steps before capture (default 12, raised to a count DDP allows).
+        compile: True or ``torch.compile`` arguments: Inductor kernels inside the one graph.
+        channels_last: the model and 4-d batch tensors in channels_last.
+        steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
+    """
 
     graph: GraphMode = "auto"
     amp: Any = None  # normalised to "bf16", "fp16" or None
@@ -138,6 +162,11 @@ def model_device(model: nn.Module) -> torch.device:
             "call ddpgraph.init() first and move the model with model.to(runtime.device)."
         )
     return device
+
+
+def check_loss_fn(loss_fn: object) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(f"loss_fn={loss_fn!r} is not callable.")
 
 
 def check_model(model: object) -> None:

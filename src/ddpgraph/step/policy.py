@@ -9,16 +9,18 @@ Each graph is kept under a typed :class:`~ddpgraph.step.batch.GraphKey`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from .._log import get_logger
-from ..errors import CaptureError
+from ..distributed import watchdog
+from ..errors import CaptureError, ConfigError
 from ..facts import DEFAULT_WARMUP
 from .batch import Batch, GraphKey, Role, Signature, describe, differences, gathered_batch
 from .body import StepBody
@@ -90,11 +92,58 @@ class CapturePolicy:
 
     # ----------------------------------------------------------------- a training call
     def train(self, batch: Batch, steps: int) -> torch.Tensor:
-        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step."""
+        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step, watched."""
         self.call_steps = steps
-        loss = self._train(batch, self._modes())
+        loss: torch.Tensor = self._watched(
+            self.watch_phase(), lambda: self._train(batch, self._modes())
+        )
         self.micro_batches = (self.micro_batches + 1) % self.options.accumulate_calls
         return loss
+
+    def check_open(self, what: str) -> None:
+        if self.phase is Phase.CLOSED:
+            raise CaptureError(
+                f"{what} on a TrainStep after close(): its graphs and their memory are gone; "
+                "build a new TrainStep to keep training."
+            )
+
+    def close(self) -> None:
+        """Free every graph and the pool; later calls raise."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.output = self.grad_norm = None
+        self.phase = Phase.CLOSED
+
+    def check_window_closed(self, what: str) -> None:
+        """Refuse ``what`` between the micro-batches of ``accumulate_calls``."""
+        if self.micro_batches:
+            raise ConfigError(
+                f"{what} after {self.micro_batches} of {self.options.accumulate_calls} "
+                "micro-batches (accumulate_calls): their gradients are not in any state dict; "
+                "save after the call that steps the optimizer (calls % accumulate_calls == 0)."
+            )
+
+    def _watched(self, phase: str, run: Callable[[], Any]) -> Any:
+        """``run()`` as a watched call: a hang in it becomes the watchdog's verdict."""
+        wd = watchdog.active()
+        if wd is None:
+            return run()
+        wd.enter(phase, self.report.steps)
+        try:
+            result = run()
+        except BaseException as exc:
+            wd.leave()
+            wd.on_error(exc)
+            raise
+        wd.leave()
+        return result
+
+    def watch_replay(self, stream: torch.cuda.Stream) -> None:
+        """A replay hook: a graph's collectives are invisible to NCCL's watchdog, so this event
+        is what shows a hang."""
+        wd = watchdog.active()
+        if wd is not None:
+            wd.after_replay(stream, self.report.steps)
 
     def _train(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
         if self.phase is Phase.WARMUP and self._warmup_done():
@@ -369,7 +418,23 @@ class CapturePolicy:
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self, batch: Batch) -> Any:
-        """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature."""
+        """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature,
+        watched; every module's own mode restored after it."""
+        with self._eval_mode():
+            return self._watched("eval", lambda: self._evaluate(batch))
+
+    @contextlib.contextmanager
+    def _eval_mode(self) -> Iterator[None]:
+        modes = self._modes()
+        for module in self._submodules:
+            module.training = False
+        try:
+            yield
+        finally:
+            for module, training in zip(self._submodules, modes):
+                module.training = training
+
+    def _evaluate(self, batch: Batch) -> Any:
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
         if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):
             self._capture_eval(key, batch)

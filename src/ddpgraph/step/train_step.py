@@ -7,16 +7,14 @@ policy (:mod:`.policy`), the graphs (:mod:`.graphs`) and the ``step(data)`` feed
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..data.device_data import DeviceData
-from ..dist import watchdog
-from ..errors import CaptureError, ConfigError
+from ..errors import ConfigError
 from .batch import make_batch
 from .body import LossFn, StepBody
 from .feed import DataFeed
@@ -26,6 +24,7 @@ from .options import (
     GraphMode,
     NewShapePolicy,
     StepOptions,
+    check_loss_fn,
     check_model,
     check_optimizer,
     model_device,
@@ -69,33 +68,15 @@ class TrainStep:
     value or ``requires_grad`` (re-captured, with a warning); a replaced parameter raises
     :class:`CaptureError`.
 
-    Options (keyword-only, validated here):
-        graph: "auto" captures where CUDA is available, else eager with a warning saying why;
-            "always" raises :class:`CaptureError` instead; "never" stays eager.
-        amp: None, bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``) or fp16 (``"fp16"``,
-            ``"float16"``, ``torch.float16``): autocast around forward and loss. fp16 adds dynamic
-            loss scaling inside the graph, op for op as ``torch.amp.GradScaler`` with a fused
-            optimizer (switched on for Adam/AdamW/SGD); :attr:`loss_scale` is the scale.
-        grad_scaler: fp16's ``init_scale``, ``growth_factor``, ``backoff_factor``,
-            ``growth_interval``, as ``torch.amp.GradScaler`` takes them.
-        accumulate: k micro-batches per step (every batch tensor split along dim 0).
-        accumulate_calls: k calls per optimizer step, one micro-batch each.
-        clip_grad_norm: max total gradient norm, clipped on the device without a host sync.
-        grad_norm: True measures the total gradient norm of every update without clipping
-            (with ``clip_grad_norm`` it is always measured): :attr:`grad_norm`.
-        on_new_shape: a batch unlike every captured one: "eager" runs it eagerly, "capture"
-            records another graph in the same pool (pad with :func:`ddpgraph.pad_batch`),
-            "error" raises ``ValueError`` naming the entry that changed.
-        warmup: eager steps before capture (default 12, raised to a count DDP allows).
-        ddp_kwargs: extra ``DistributedDataParallel`` arguments (``gradient_as_bucket_view=True``
-            is the default: it made graphed steps 2-7% faster).
-        scheduler: an LR scheduler for :meth:`state_dict`; with ``step(data)`` also stepped per
-            training step (ReduceLROnPlateau excepted: the script steps it on its metric).
-        compile: True or ``torch.compile`` arguments: Inductor kernels inside the one graph.
-        channels_last: the model and 4-d batch tensors in channels_last.
-        steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
-        engine: what makes the graphs: CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()``
-            runs the real capture policy on the CPU (tests, dry runs).
+    Options (keyword-only, validated here; each documented in
+    :class:`~ddpgraph.step.options.StepOptions`): ``graph``, ``amp``, ``grad_scaler``,
+    ``accumulate``, ``accumulate_calls``, ``clip_grad_norm``, ``grad_norm``, ``on_new_shape``,
+    ``warmup``, ``compile``, ``channels_last``, ``steps_per_replay``; and ``ddp_kwargs`` (extra
+    ``DistributedDataParallel`` arguments; ``gradient_as_bucket_view=True`` is the default: it
+    made graphed steps 2-7% faster), ``scheduler`` (an LR scheduler for :meth:`state_dict`; with
+    ``step(data)`` also stepped per training step, ReduceLROnPlateau excepted), ``engine``
+    (CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()`` runs the real capture policy on
+    the CPU, for tests and dry runs).
 
     With a process group the model is wrapped in DDP (``step.model``), on the capture stream;
     pass the bare module. With DDP's ``broadcast_buffers`` each step ends by broadcasting rank
@@ -130,8 +111,7 @@ class TrainStep:
         )  # fmt: skip
         check_model(model)
         check_optimizer(optimizer, model)
-        if loss_fn is not None and not callable(loss_fn):
-            raise ConfigError(f"loss_fn={loss_fn!r} is not callable.")
+        check_loss_fn(loss_fn)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler
         self.device = device = model_device(model)
@@ -145,11 +125,7 @@ class TrainStep:
             optimizer,
             loss_fn,
             self._precision,
-            accumulate=accumulate,
-            accumulate_calls=accumulate_calls,
-            clip_grad_norm=clip_grad_norm,
-            measure_grad_norm=grad_norm,
-            channels_last=channels_last,
+            options,
         )
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
         graphs = build_graphs(engine, options, device, self._parameters, optimizer)
@@ -165,10 +141,10 @@ class TrainStep:
         )
         self._module = model
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
-        self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, steps_per_replay, device)
+        self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
         self._body.feed = self._feed
         if isinstance(graphs, Graphs) and stream is not None:
-            graphs.register_replay_hook(self._watch_replay)
+            graphs.register_replay_hook(self._policy.watch_replay)
         if isinstance(graphs, str):
             self._policy.enter_eager(graphs, warn=stream is not None)
         self._report.mode = self.mode
@@ -214,40 +190,21 @@ class TrainStep:
         return self._report
 
     def __call__(self, *args: Any, steps: int | None = None) -> torch.Tensor:
-        self._check_open("step()")
+        self._policy.check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
             return self._run_data(args[0], steps)
-        self._check_batch_call(args, steps)
+        self._feed.check_batch_call(steps)
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
-        return self._watched(self._policy.watch_phase(), lambda: self._policy.train(batch, 1))
+        return self._policy.train(batch, 1)
 
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
-        if self.options.accumulate_calls > 1:
-            raise ConfigError(
-                "step(data) runs whole training steps, but accumulate_calls="
-                f"{self.options.accumulate_calls} takes one micro-batch per call; use accumulate=k."
-            )
         n = self._feed.steps_of(data, steps)
         self._policy.check_shape(self._feed.full_batch(data))
         with self._feed.call(data, n, self._report) as batch:
-            phase = self._policy.watch_phase()
-            return self._watched(phase, lambda: self._policy.train(batch, n))
-
-    def _check_batch_call(self, args: tuple[Any, ...], steps: int | None) -> None:
-        if steps is not None:
-            raise ConfigError(
-                f"step(..., steps={steps!r}) takes a ddpgraph.DeviceData as its one argument; "
-                "a batch of tensors is one training step."
-            )
-        if self.options.steps_per_replay > 1:
-            raise ConfigError(
-                f"TrainStep(steps_per_replay={self.options.steps_per_replay}) replays several "
-                "steps on batches it gathers itself: call step(data) with a ddpgraph.DeviceData "
-                "(DeviceData(x, y, batch_size=...)), or leave steps_per_replay at 1 for step(x, y)."
-            )
+            return self._policy.train(batch, n)
 
     def evaluate(self, *args: Any) -> Any:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
@@ -258,29 +215,22 @@ class TrainStep:
         it is captured after two eager calls per input signature and replayed; the output is
         then graph-owned like the loss. Every module's own mode is restored when this returns.
         """
-        self._check_open("evaluate()")
+        self._policy.check_open("evaluate()")
         batch = make_batch(args, min_positional=1)
         self._report.evaluations += 1
-        with self._eval_mode():
-            return self._watched("eval", lambda: self._policy.evaluate(batch))
+        return self._policy.evaluate(batch)
 
     def close(self) -> None:
         """Free every captured graph and their memory pool; later calls raise. Call on every
         rank; follow with ``torch.cuda.empty_cache()`` to hand the memory back to the driver."""
-        if self._policy.graphs is not None:
-            self._policy.graphs.close()
-        self._policy.output = None
+        self._policy.close()
         self._feed.close()
-        self._policy.phase = Phase.CLOSED
 
     def bare_graph(self) -> torch.cuda.CUDAGraph | None:
         """The first training graph of a batch of tensors, for benchmarks that time a bare
-        replay; None if none. (A ``step(data)`` graph is left out: it gathers at a device cursor
-        that only ``step(data)`` keeps inside the data's window.)"""
+        replay; None if none."""
         graphs = self._policy.graphs
-        keys = [] if graphs is None else graphs.keys_of("train")
-        captured = [graphs.get(k) for k in keys if not k.reads_device_data] if graphs else []
-        return captured[0].graph if captured and captured[0] is not None else None
+        return None if graphs is None else graphs.bare_graph()
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -316,13 +266,7 @@ class TrainStep:
     def extra_state(self) -> dict[str, Any]:
         """What the TrainStep holds besides model, optimizer and scheduler (the step count;
         fp16's loss scale): what :func:`ddpgraph.save_checkpoint` saves of it."""
-        if self._policy.micro_batches:
-            raise ConfigError(
-                f"state_dict() after {self._policy.micro_batches} of "
-                f"{self.options.accumulate_calls} micro-batches (accumulate_calls): their "
-                "gradients are not in any state dict; save after the call that steps the "
-                "optimizer (calls % accumulate_calls == 0)."
-            )
+        self._policy.check_window_closed("state_dict()")
         state: dict[str, Any] = {"steps": self._report.steps}
         scaler = self._precision.state_dict()
         if scaler is not None:
@@ -343,45 +287,6 @@ class TrainStep:
     # ----------------------------------------------------------------- helpers
     def _parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
-
-    def _watched(self, phase: str, run: Callable[[], Any]) -> Any:
-        """``run()`` as a watched call: a hang in it becomes the watchdog's verdict."""
-        wd = watchdog.active()
-        if wd is None:
-            return run()
-        wd.enter(phase, self._report.steps)
-        try:
-            result = run()
-        except BaseException as exc:
-            wd.leave()
-            wd.on_error(exc)
-            raise
-        wd.leave()
-        return result
-
-    def _watch_replay(self, stream: torch.cuda.Stream) -> None:
-        # a graph's collectives are invisible to NCCL's watchdog: this event is what shows a hang
-        wd = watchdog.active()
-        if wd is not None:
-            wd.after_replay(stream, self._report.steps)
-
-    def _check_open(self, what: str) -> None:
-        if self._policy.phase is Phase.CLOSED:
-            raise CaptureError(
-                f"{what} on a TrainStep after close(): its graphs and their memory are gone; "
-                "build a new TrainStep to keep training."
-            )
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        modules = list(self._module.modules())
-        modes = [m.training for m in modules]
-        self._module.eval()
-        try:
-            yield
-        finally:
-            for module, training in zip(modules, modes):
-                module.training = training
 
 
 def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:

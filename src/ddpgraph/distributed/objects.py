@@ -3,7 +3,7 @@
 ``all_gather_object``, ``gather_object`` and ``broadcast_object`` send Python objects between the
 ranks of a group. Compared with torch's functions of similar names they
 
-* use the safe ``"data"`` codec by default (see :mod:`ddpgraph.dist.codec`; pickle only when asked),
+* use the safe ``"data"`` codec by default (see :mod:`ddpgraph.distributed.codec`; pickle only when asked),
 * send a fixed header with every object (status, codec, size, call number, call site), so that a
   rank that cannot encode its object, is over ``max_bytes``, uses another codec or is at another
   call makes *every* rank raise the same :class:`ObjectCollectiveError`, naming the rank(s);
@@ -39,12 +39,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import watchdog
 from .._frames import frame_outside, in_modules
 from .._globals import Global, process_global
 from .._log import get_logger
-from .store import forget_barrier, store_barrier
-from .codec import CODECS, DecodeError, decode, encode_parts
 from ..errors import (
     CollectiveTimeout,
     DistributedStateError,
@@ -52,7 +49,10 @@ from ..errors import (
     ObjectCollectiveError,
     with_explanation,
 )
+from . import watchdog
+from .codec import CODECS, DecodeError, decode, encode_parts
 from .runtime import as_timedelta, check_unique_devices, get_runtime, group_device
+from .store import forget_barrier, store_barrier
 
 __all__ = ["DEFAULT_MAX_BYTES", "all_gather_object", "broadcast_object", "gather_object"]
 
@@ -74,7 +74,7 @@ _OK, _ENCODE_FAILED, _TOO_LARGE, _BAD_ARGUMENT = 0, 1, 2, 3
 _OPS = {1: "all_gather_object", 2: "gather_object", 3: "broadcast_object"}
 _OP_IDS = {name: op for op, name in _OPS.items()}
 _CODEC_NAMES = {i: name for name, i in CODECS.items()}
-_in_our_modules = in_modules({__name__, "ddpgraph.dist.torch_patch"})
+_in_our_modules = in_modules({__name__, "ddpgraph.distributed.torch_patch"})
 _DEFAULT_CHECK_TIMEOUT = timedelta(minutes=10)
 # A rank that arrives after half the timeout is named in a warning, before it becomes an error.
 _STRAGGLER_FRACTION = 0.5
@@ -487,7 +487,7 @@ def _group_state(group: dist.ProcessGroup) -> _GroupState:
 
 def _await_arrivals(call: _Call, state: _GroupState) -> None:
     """Wait until every rank has entered call number ``state.seq``, or raise naming the missing
-    ones (:func:`ddpgraph.dist.store.store_barrier`).
+    ones (:func:`ddpgraph.distributed.store.store_barrier`).
 
     Only after all have arrived does any rank start the collective, so a timeout never leaves a
     peer blocked inside it; the barrier's verdict is the same on every rank.

@@ -2,7 +2,7 @@
 
 No thread, no store and no clock here: every function takes the time (``now``, wall clock for
 heartbeats) and the records it speaks of, so that each message can be tested on its own.
-:mod:`ddpgraph.dist.watchdog` gathers the records (on its thread, from the store) and logs or raises
+:mod:`ddpgraph.distributed.watchdog` gathers the records (on its thread, from the store) and logs or raises
 what these functions return.
 """
 

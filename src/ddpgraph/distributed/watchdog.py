@@ -24,7 +24,7 @@ writes, a list append/pop and one ``time.monotonic()``: no lock, no store I/O (a
 :meth:`~Watchdog.after_replay` adds one ``cudaEventRecord`` (a few us).
 
 What it says (the stall warning, the verdict, the note on a peer's exit) is written by the pure
-functions of :mod:`ddpgraph.dist.watchdog_messages`, from the records this module gathers.
+functions of :mod:`ddpgraph.distributed.watchdog_messages`, from the records this module gathers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from torch._C._distributed_c10d import Store
 
 from .._globals import Global, process_global
 from .._log import get_logger
+from ..errors import CollectiveTimeout
 from .store import store_barrier
 from .watchdog_messages import (
     NOTE_PREFIX,
@@ -58,7 +59,6 @@ from .watchdog_messages import (
     undelivered,
     verdict_report,
 )
-from ..errors import CollectiveTimeout
 
 if TYPE_CHECKING:
     import torch

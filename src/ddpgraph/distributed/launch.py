@@ -2,7 +2,7 @@
 
 Every torchrun option is parsed by torch's own parser and the job is run by torch's own launcher
 (``torch.distributed.run.run``); the only change is the command each worker runs. Instead of
-``python -u SCRIPT ARGS`` a worker runs ``python -u -m ddpgraph.dist.launch_worker path SCRIPT ARGS``,
+``python -u SCRIPT ARGS`` a worker runs ``python -u -m ddpgraph.distributed.launch_worker path SCRIPT ARGS``,
 which, before the script starts:
 
 1. binds the device from ``LOCAL_RANK`` (``torch.cuda.set_device``; nothing on the CPU), so an
@@ -29,7 +29,7 @@ import torch
 
 from ..errors import ConfigError
 
-WORKER_MODULE = "ddpgraph.dist.launch_worker"
+WORKER_MODULE = "ddpgraph.distributed.launch_worker"
 # The first argument of the worker module: how to run the target.
 RUN_PATH = "path"
 RUN_MODULE = "module"

@@ -1,6 +1,6 @@
 """What each worker of ``ddpgraph launch`` runs: the guards, then the user's script as ``__main__``.
 
-Command line (built by :mod:`ddpgraph.dist.launch`): ``python -m ddpgraph.dist.launch_worker path SCRIPT
+Command line (built by :mod:`ddpgraph.distributed.launch`): ``python -m ddpgraph.distributed.launch_worker path SCRIPT
 ARGS...`` or ``... module MODULE ARGS...``. Not a public interface.
 """
 

@@ -25,10 +25,8 @@ from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 from torch.distributed.rendezvous import rendezvous
 
 from .. import _globals
-from . import watchdog as _watchdog
 from .._globals import Global, process_global
 from .._log import configure_logging
-from .store import store_barrier
 from ..errors import (
     CollectiveTimeout,
     ConfigError,
@@ -36,6 +34,8 @@ from ..errors import (
     DistributedStateError,
     first_line,
 )
+from . import watchdog as _watchdog
+from .store import store_barrier
 
 __all__ = [
     "Runtime",
@@ -137,7 +137,7 @@ def init(
     arguments raises :class:`DistributedStateError`. If the application already created the default
     process group, ``init`` adopts it (and leaves it to the application to destroy).
 
-    ``watchdog=True`` (default) starts :mod:`ddpgraph.dist.watchdog` on this rank: a watched call (a
+    ``watchdog=True`` (default) starts :mod:`ddpgraph.distributed.watchdog` on this rank: a watched call (a
     TrainStep step, an object collective, ``watchdog.watch(...)``) or a graph replay not done
     after ``timeout`` ends the job with :class:`CollectiveTimeout` naming the ranks behind and
     where each rank is, instead of hanging; after ``stall_warning`` (default a quarter of
