@@ -23,10 +23,10 @@ and reason, for the next older one; every rank agrees on which one it loads.
 
 from __future__ import annotations
 
-from .layout import JSON, CheckpointError, latest_checkpoint
+from .layout import JSON, CheckpointError, Stateful, latest_checkpoint
 from .load import load_checkpoint
 from .save import save_checkpoint, save_checkpoint_async, wait_for_pending_save
-from .state import ResumableLoader, Stateful
+from .state import ResumableLoader
 
 __all__ = [
     "JSON",

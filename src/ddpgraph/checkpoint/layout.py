@@ -99,7 +99,7 @@ def checkpoint_problem(path: Path) -> str | None:
     Reads the manifest and DCP's ``.metadata`` (small), and compares each data file's size with
     the bytes the metadata places in it: a truncated or missing shard is found without reading it.
     """
-    from torch.distributed.checkpoint import FileSystemReader
+    from .._typed_torch import filesystem_reader
 
     try:
         read_manifest(path)
@@ -108,7 +108,7 @@ def checkpoint_problem(path: Path) -> str | None:
     if not (path / _DCP_METADATA).is_file():
         return f"{path / _DCP_METADATA} (DCP's index of the saved values) is missing"
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        metadata = filesystem_reader(str(path)).read_metadata()
     except Exception as exc:  # an unpickling error of any type: the file is damaged
         return f"{path / _DCP_METADATA} is not readable ({type(exc).__name__}: {exc})"
     needed: dict[str, int] = {}

@@ -97,12 +97,13 @@ def _read_into(state: dict[str, Any], path: Path, distributed: bool) -> str | No
     DCP gathers every rank's read errors and raises them on every rank as a
     ``CheckpointException`` (a ``BaseException``, which ``except Exception`` misses).
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from .._typed_torch import dcp_load
 
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=path, no_dist=not distributed)
+            dcp_load(state, checkpoint_id=path, no_dist=not distributed)
     except (Exception, CheckpointException) as exc:
         return f"its data does not load ({_first_cause(exc)})"
     return None
@@ -171,10 +172,11 @@ def _raise_on_any_rank(problem: str | None, distributed: bool) -> None:
 
 def _misfit(path: Path, state: dict[str, Any]) -> str | None:
     """Missing or unexpected keys and shape mismatches of model and optimizer, named, or None."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    from .._typed_torch import filesystem_reader
+
+    saved = filesystem_reader(str(path)).read_metadata().state_dict_metadata
     wanted, _ = flatten_state_dict({k: state[k] for k in ("model", "optimizer") if k in state})
     # the model first: when it differs, the optimizer's differences only repeat it. Of the
     # optimizer, its per-parameter state only: hyperparameter keys vary across torch versions.

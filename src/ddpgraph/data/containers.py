@@ -28,8 +28,10 @@ def rebuild_mapping(batch: Mapping[Any, Any], new: dict[Any, Any]) -> Mapping[An
 def rebuild_sequence(batch: Sequence[Any], items: list[Any]) -> Sequence[Any]:
     cls: Any = type(batch)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
-        return cls(*items)
+        rebuilt: Sequence[Any] = cls(*items)
+        return rebuilt
     try:
-        return cls(items)  # tuple, list or a subclass that takes an iterable
+        rebuilt = cls(items)  # tuple, list or a subclass that takes an iterable
+        return rebuilt
     except TypeError:
         return tuple(items) if isinstance(batch, tuple) else items

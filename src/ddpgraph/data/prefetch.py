@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from .._checks import check_int
+from .._typed_torch import cuda_event, cuda_stream, torch_device
 from ..errors import ConfigError
 from .containers import rebuild_mapping, rebuild_sequence
 
@@ -49,7 +50,7 @@ def prefetch(
 
 def _check_device(device: object) -> torch.device:
     try:
-        resolved = torch.device(device)  # type: ignore[call-overload]
+        resolved = torch_device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(
             f"device={device!r} is not a device ({exc}); pass e.g. rt.device or 'cuda:0'."
@@ -67,7 +68,7 @@ def _check_device(device: object) -> torch.device:
             "is on (rt.device, 'cpu' here)."
         )
     if resolved.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", int(torch.cuda.current_device()))
     return resolved
 
 
@@ -93,7 +94,7 @@ class Prefetcher(Generic[B]):
         if self.device.type == "cpu":
             return iter(self.loader)
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
+            self._copy_stream = cuda_stream(self.device)
         stream, device = self._copy_stream, self.device
         return _Lookahead(
             iter(self.loader),
@@ -163,7 +164,7 @@ def _stage(batch: B, stream: torch.cuda.Stream, device: torch.device) -> tuple[B
     """Start copying ``batch`` to ``device`` on the copy ``stream``; the event marks its end."""
     with torch.cuda.stream(stream):
         moved = _map_tensors(batch, lambda tensor: _copy_to(tensor, device))
-        copied = torch.cuda.Event()
+        copied = cuda_event()
         copied.record(stream)
     return moved, copied
 

@@ -118,17 +118,18 @@ def launch(argv: Sequence[str]) -> int:
     option ddpgraph cannot guard. A failed worker is reported by torch's launcher and gives 1.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+
+    from .._typed_torch import child_failure_message, torchrun
 
     args = torchrun_args(argv)
     target = args.training_script_args[1]
     try:
-        run(args)
+        torchrun(args)
     except ChildFailedError as exc:
         # The workers' tracebacks went to their own stderr already; this names rank and exit
         # code, under the user's script rather than our worker module.
         exc.name = target
-        print(f"ddpgraph launch: the job failed.\n{exc.format_msg()}", file=sys.stderr)
+        print(f"ddpgraph launch: the job failed.\n{child_failure_message(exc)}", file=sys.stderr)
         return 1
     return 0
 

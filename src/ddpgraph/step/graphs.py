@@ -28,6 +28,7 @@ from torch import nn
 
 from .._frames import PACKAGE_DIR
 from .._globals import Global, process_global
+from .._typed_torch import cuda_stream
 from ..errors import CaptureError, explain_exception
 from .batch import Batch, GraphKey, Role
 from .optim import (
@@ -104,7 +105,7 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams = _CAPTURE_STREAMS.value
     if index not in streams:
-        streams[index] = torch.cuda.Stream(index)
+        streams[index] = cuda_stream(index)
     return streams[index]
 
 

@@ -147,7 +147,7 @@ def _move_step_counters(optimizer: torch.optim.Optimizer, device: torch.device) 
             state["step"] = step.to(device=device, dtype=torch.float32)
 
 
-def _lr_tensor(group: dict, device: torch.device) -> torch.Tensor:
+def _lr_tensor(group: dict[str, Any], device: torch.device) -> torch.Tensor:
     lr = group["lr"]
     if isinstance(lr, torch.Tensor) and lr.device == device and lr.dim() == 0:
         return lr

@@ -316,6 +316,7 @@ class CapturePolicy:
         self._note_changes(replayed)
         if not replayed.replayed:
             return None
+        loss: torch.Tensor
         loss, self.output, self.grad_norm = replayed.output
         self.report.replays += 1
         return loss

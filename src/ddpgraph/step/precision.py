@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .._typed_torch import backward
 from ..errors import ConfigError
 from .optim import skips_on_device
 
@@ -169,7 +170,7 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype, cache_enabled=False)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+        backward(loss)
 
     def update(
         self, optimizer: torch.optim.Optimizer, clip: Callable[[], torch.Tensor] | None
@@ -199,7 +200,7 @@ class Fp16(Precision):
         self.loss_scale = self.scaler.scale_tensor
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        backward(self.scaler.scale(loss))
 
     def update(
         self, optimizer: torch.optim.Optimizer, clip: Callable[[], torch.Tensor] | None

@@ -21,6 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..._typed_torch import (
+    ddp_set_logging_sample_rate,
+    ddp_sync_buffers,
+    ddp_will_sync_buffers,
+)
 from ...errors import CaptureError, ConfigError
 from ...facts import DDP_STATS_SAMPLE_RATE
 from ..graphs import on_stream
@@ -55,7 +60,7 @@ class DDP(DataParallel):
         self.device = device
         self.sample_rate = _stop_ddp_sampling(self.ddp)
         # DDP broadcasts rank 0's buffers at each forward; here each step ends with it instead
-        self._sync_buffers = self.ddp.will_sync_module_buffers()
+        self._sync_buffers = ddp_will_sync_buffers(self.ddp)
         self._forwards = 0  # DDP forwards that advanced its iteration counter
 
     # ----------------------------------------------------------------- forward and backward
@@ -75,7 +80,7 @@ class DDP(DataParallel):
         own."""
         if self._sync_buffers:
             with torch.no_grad():
-                self.ddp._sync_module_buffers(authoritative_rank=0)
+                ddp_sync_buffers(self.ddp, authoritative_rank=0)
 
     # ----------------------------------------------------------------- capture preconditions
     def count_forwards(self, n: int) -> None:
@@ -124,7 +129,7 @@ def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
     where it is missing the step keeps to the counts the default rate allows.
     """
     try:
-        ddp._set_ddp_runtime_logging_sample_rate(_NEVER)
+        ddp_set_logging_sample_rate(ddp, _NEVER)
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return DDP_STATS_SAMPLE_RATE
     return _NEVER

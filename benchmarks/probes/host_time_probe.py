@@ -1,0 +1,88 @@
+"""Host time of one ``step(x, y)`` call once the step replays: what ddpgraph adds on the CPU.
+
+Each call is timed on the host alone (``perf_counter`` around the call, no sync inside), with a
+``torch.cuda.synchronize()`` every ``--every`` calls outside the timed region so the launch queue
+never fills (a full queue would make a call wait for the GPU). Reports the median and p90 over
+``--calls`` calls, and the bare ``graph.replay()`` host time for comparison. Works against any
+ddpgraph version with ``TrainStep`` and ``bare_graph()`` (so an older checkout on PYTHONPATH
+gives the "before" numbers in the same session).
+
+    python benchmarks/probes/host_time_probe.py --out host-time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import ddpgraph
+
+
+def _mlp() -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 10))
+
+
+def _timed(fn, calls: int, every: int) -> list[float]:
+    times = []
+    for i in range(calls):
+        if i % every == 0:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    rt = ddpgraph.init()
+    torch.manual_seed(0)
+    model = _mlp().to(rt.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss())
+    x = torch.randn(64, 1024, device=rt.device)
+    y = torch.randint(10, (64,), device=rt.device)
+    for _ in range(30):
+        step(x, y)
+    assert step.report().replays > 0, str(step.report())
+    call = _timed(lambda: step(x, y), args.calls, args.every)
+    graph = step.bare_graph()
+    bare = _timed(graph.replay, args.calls, args.every) if graph is not None else []
+    result = {
+        "label": args.label,
+        "ddpgraph_file": ddpgraph.__file__,
+        "torch": torch.__version__,
+        "step_call_host_us": {
+            "median": statistics.median(call) * 1e6,
+            "p90": statistics.quantiles(call, n=10)[-1] * 1e6,
+        },
+        "bare_replay_host_us": {
+            "median": statistics.median(bare) * 1e6,
+            "p90": statistics.quantiles(bare, n=10)[-1] * 1e6,
+        }
+        if bare
+        else None,
+    }
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    ddpgraph.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""torch's untyped entry points that ddpgraph calls, each given its type once, here.
+
+torch ships some functions without annotations (CUDA streams and events, ``Tensor.backward``,
+DDP's buffer and logging helpers, DCP's re-exports, torchrun's ``run``). Calling them from typed
+code is what ``mypy --strict`` refuses; each wrapper below states the type torch documents, so
+the rest of the package is checked strictly without ignoring whole files.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "backward",
+    "child_failure_message",
+    "cuda_event",
+    "cuda_stream",
+    "dcp_load",
+    "ddp_set_logging_sample_rate",
+    "ddp_sync_buffers",
+    "ddp_will_sync_buffers",
+    "filesystem_reader",
+    "torch_device",
+    "torchrun",
+]
+
+
+def cuda_stream(device: torch.device | int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def cuda_event(*, enable_timing: bool = False) -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=enable_timing)  # type: ignore[no-untyped-call]
+
+
+def backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def torch_device(spec: object) -> torch.device:
+    """``torch.device(spec)`` for any spelling torch takes (str, int, device); raises as torch
+    does (RuntimeError/TypeError) for anything else."""
+    device: torch.device = torch.device(spec)  # type: ignore[call-overload]
+    return device
+
+
+def ddp_will_sync_buffers(ddp: DistributedDataParallel) -> bool:
+    return bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
+
+
+def ddp_sync_buffers(ddp: DistributedDataParallel, *, authoritative_rank: int) -> None:
+    ddp._sync_module_buffers(authoritative_rank=authoritative_rank)  # type: ignore[no-untyped-call]
+
+
+def ddp_set_logging_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
+    ddp._set_ddp_runtime_logging_sample_rate(rate)  # type: ignore[no-untyped-call]
+
+
+def torchrun(args: Any) -> None:
+    """torchrun's own ``run`` (torch.distributed.run) on parsed arguments."""
+    from torch.distributed.run import run
+
+    run(args)  # type: ignore[no-untyped-call]
+
+
+def child_failure_message(exc: Any) -> str:
+    """torchelastic's ChildFailedError text: the ranks that failed, with their exit codes."""
+    return str(exc.format_msg())
+
+
+def filesystem_reader(path: Any) -> FileSystemReader:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    return FileSystemReader(path)
+
+
+def dcp_load(state: dict[str, Any], *, checkpoint_id: Any, no_dist: bool) -> None:
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    load(state, checkpoint_id=checkpoint_id, no_dist=no_dist)
