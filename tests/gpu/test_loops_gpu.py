@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ddpgraph.step
+import ddpgraph.step.parallel.ddp
 from ddpgraph import TrainStep
 
 from .test_step_gpu import adamw, assert_bitwise, make_batches, mlp, resnet, sgd, train
@@ -36,7 +37,7 @@ def _sizes_with_new_shapes_at(counts: list[int], steps: int) -> list[int]:
 def test_new_shapes_at_any_count_for_260_steps_match_eager(rt, monkeypatch, ddp_sampling):
     """Captures at DDP counts 98..101 and 198..201 (the old crash: step 116, 'invalid argument')."""
     if ddp_sampling == "default":  # as where DDP lacks the private setter: the count rule alone
-        monkeypatch.setattr(ddpgraph.step, "_stop_ddp_sampling", lambda ddp: 100)
+        monkeypatch.setattr(ddpgraph.step.parallel.ddp, "_stop_ddp_sampling", lambda ddp: 100)
     sizes = _sizes_with_new_shapes_at([40, 98, 99, 100, 101, 198, 199, 200, 201], 260)
     batches = make_batches(mlp, 0, sizes=sizes)
     graphed = train(mlp, adamw, batches, graph="always", on_new_shape="capture")
