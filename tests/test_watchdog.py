@@ -344,20 +344,6 @@ def test_a_short_stall_warns_once_and_nothing_else_happens(caplog):
     assert exits == []
 
 
-def test_the_hot_path_costs_microseconds():
-    dog, _ = _dog(timeout=60.0, stall=30.0)
-    try:
-        n = 20000
-        start = time.perf_counter()
-        for step in range(n):
-            dog.enter("replay", step)
-            dog.leave()
-        per_call = (time.perf_counter() - start) / n
-    finally:
-        dog.stop()
-    assert per_call < 20e-6, per_call  # ~0.5 us measured; generous for a loaded CI machine
-
-
 @pytest.mark.timeout(120)
 def test_the_overhead_benchmark_runs_quick_on_cpu(tmp_path):
     import importlib.util
@@ -373,6 +359,7 @@ def test_the_overhead_benchmark_runs_quick_on_cpu(tmp_path):
     results = json.loads(out.read_text())
     assert results["rounds"] == 2 and results["step_ms_on"]["median"] > 0
     assert results["step_ms_off"]["median"] > 0 and "overhead_pct" in results
+    assert results["hot_path_us"] > 0  # the per-call cost is measured there, never asserted
     assert watchdog.active() is None  # the benchmark shut down after itself
 
 
