@@ -63,7 +63,7 @@ from .watchdog_messages import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXIT_CODE", "Watchdog", "active", "watch"]
+__all__ = ["EXIT_CODE", "StepCount", "Watchdog", "active", "replay_hook", "watch"]
 
 EXIT_CODE = 124  # as timeout(1): the job ended because something did not finish in time
 PHASES = ("warmup", "capture", "replay", "eager", "eval")
@@ -104,6 +104,25 @@ _ACTIVE: Global[Watchdog | None] = process_global(
 def active() -> Watchdog | None:
     """The running :class:`Watchdog`, or None (``watchdog=False``, or no :func:`ddpgraph.init`)."""
     return _ACTIVE.value
+
+
+class StepCount(Protocol):
+    """Anything with the current step number (a TrainStep's report)."""
+
+    steps: int
+
+
+def replay_hook(count: StepCount) -> Callable[[torch.cuda.Stream], None]:
+    """A graph owner's replay hook: after each replay, the running watchdog (if any) records an
+    event on the stream and names ``count.steps`` if it never completes. A graph's collectives
+    are invisible to NCCL's own watchdog: this event is what shows a hang inside a replay."""
+
+    def hook(stream: torch.cuda.Stream) -> None:
+        watchdog = _ACTIVE.value
+        if watchdog is not None:
+            watchdog.after_replay(stream, count.steps)
+
+    return hook
 
 
 def default_stall_warning(timeout: timedelta) -> timedelta:

@@ -138,13 +138,6 @@ class CapturePolicy:
         wd.leave()
         return result
 
-    def watch_replay(self, stream: torch.cuda.Stream) -> None:
-        """A replay hook: a graph's collectives are invisible to NCCL's watchdog, so this event
-        is what shows a hang."""
-        wd = watchdog.active()
-        if wd is not None:
-            wd.after_replay(stream, self.report.steps)
-
     def _train(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
         if self.phase is Phase.WARMUP and self._warmup_done():
             return self._first_capture(batch, modes)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..data.device_data import DeviceData
+from ..distributed import watchdog
 from ..errors import ConfigError
 from .batch import make_batch
 from .body import LossFn, StepBody
@@ -144,7 +145,7 @@ class TrainStep:
         self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
         self._body.feed = self._feed
         if isinstance(graphs, Graphs) and stream is not None:
-            graphs.register_replay_hook(self._policy.watch_replay)
+            graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):
             self._policy.enter_eager(graphs, warn=stream is not None)
         self._report.mode = self.mode
