@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import tempfile
 import tokenize
@@ -18,7 +19,35 @@ from .errors import ConfigError
 from .errors import explain as explain_error
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The command group: a signal that stops a command (Ctrl-C, or SIGTERM to one that launched
+    workers) ends it with one line and 128 + the signal, as a shell reports it, instead of
+    click's "Aborted!" with exit status 1 or a traceback (--debug keeps the traceback)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BaseException as exc:
+            signum = _stopped_by(exc)
+            if signum is None or debug_requested():
+                raise
+            command = " ".join(filter(None, ["ddpgraph", ctx.invoked_subcommand]))
+            click.echo(f"{command}: interrupted ({signal.Signals(signum).name})", err=True)
+            raise SystemExit(128 + signum) from None
+
+
+def _stopped_by(exc: BaseException) -> int | None:
+    """The signal behind ``exc``: SIGINT for KeyboardInterrupt, torch's agent's SignalException
+    (SIGTERM, SIGHUP, SIGQUIT while it runs workers); None for any other exception."""
+    if isinstance(exc, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    agent = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    if agent is not None and isinstance(exc, agent.SignalException):
+        return int(exc.sigval)
+    return None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddpgraph")
 @click.option(
     "--debug",

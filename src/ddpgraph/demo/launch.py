@@ -25,7 +25,7 @@ from ..launch import default_nproc, run_local
 from .train import (
     FAILED,
     INTERRUPTED,
-    INTERRUPTED_EXIT,
+    INTERRUPTED_EXITS,
     REPORTED_EXIT,
     SAME_ON_RESUME,
     TRAIN_SAMPLES,
@@ -67,7 +67,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
             nproc=workers,
             name="train",
             max_restarts=config.max_restarts,
-            reported_exits=() if debug_requested() else (REPORTED_EXIT, INTERRUPTED_EXIT),
+            reported_exits=() if debug_requested() else (REPORTED_EXIT, *INTERRUPTED_EXITS),
         )
     except (SignalException, KeyboardInterrupt) as exc:
         if debug_requested():
@@ -110,6 +110,7 @@ def _take_failures(config: TrainConfig) -> dict[int, dict[str, Any]]:
 def _failed(config: TrainConfig, exc: Any) -> int:
     """A worker failed: a ddpgraph error as its message (grouped by rank), else torch's report."""
     reported = _take_failures(config)
+    _take(config, INTERRUPTED)  # left by a rank 0 the launcher stopped (SIGTERM): not the news
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     if not reported or REPORTED_EXIT not in codes.values():
         _say(f"failed:\n{exc.format_msg()}")

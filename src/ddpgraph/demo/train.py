@@ -78,22 +78,35 @@ class TrainConfig:
 INTERRUPTED = ".interrupted"  # JSON {"step": N}: the last step every rank finished, from rank 0
 FAILED = ".failed-rank{rank}"  # one ddpgraph error's message, per failing rank
 REPORTED_EXIT = 3  # a worker that wrote FAILED exits with this: the launcher prints no traceback
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# 128 + the signal, as a shell reports it: Ctrl-C (SIGINT), or the launcher's stop (SIGTERM)
+INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 class _Interrupt:
     """Ctrl-C in a worker: remember it, so that whatever it breaks (a peer's collective that
-    loses its partner fails with gloo's error, not KeyboardInterrupt) still counts as the stop."""
+    loses its partner fails with gloo's error, not KeyboardInterrupt) still counts as the stop.
+
+    SIGTERM counts too: the launcher stops the workers with it once it saw Ctrl-C, and it may
+    come first. The worker starts with SIGINT ignored (ddpgraph.launch.run_local), so a Ctrl-C
+    before :meth:`install` is the launcher's alone.
+    """
 
     def __init__(self) -> None:
-        self.seen = False
+        self.signum: int | None = None
         self.step = 0  # the last step this rank finished
 
+    @property
+    def seen(self) -> bool:
+        return self.signum is not None
+
     def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.seen = True
+        if self.seen:
+            return  # the second signal (SIGINT, then the launcher's SIGTERM): already stopping
+        self.signum = signum
         raise KeyboardInterrupt
 
 
@@ -122,7 +135,7 @@ def _stop_interrupted(config: TrainConfig) -> None:
     for peers that are stopping too (or for a store that is already gone)."""
     if os.environ.get("RANK", "0") == "0":
         _leave(Path(config.out) / INTERRUPTED, json.dumps({"step": _interrupt.step}))
-    _exit(INTERRUPTED_EXIT)
+    _exit(128 + (_interrupt.signum or signal.SIGINT))
 
 
 def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
