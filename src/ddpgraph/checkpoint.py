@@ -828,18 +828,27 @@ def _read_into(state: dict[str, Any], path: Path, distributed: bool) -> str | No
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=path, no_dist=not distributed)
     except (Exception, CheckpointException) as exc:
-        return f"its data does not load ({_first_cause(exc)})"
+        # _agreed names the rank
+        return f"its data does not load ({_first_cause(exc, name_rank=False)})"
     return None
 
 
-def _first_cause(exc: BaseException) -> str:
-    """The first underlying error of a DCP failure (it wraps each rank's), as ``Type: text``."""
+def _first_cause(exc: BaseException, *, name_rank: bool = True) -> str:
+    """The first underlying error of a DCP failure (it wraps each rank's), as ``[rank N: ]Type:
+    text`` on one line."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, Mapping) and failures:
         rank, inner = min(failures.items(), key=lambda item: item[0])
         inner = getattr(inner, "exc", inner)  # a _WrappedException holds the real one
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
-    return f"{type(exc).__name__}: {exc}"
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # torch 2.13: (the exception, its FrameSummary list)
+        return f"rank {rank}: {_one_line(inner)}" if name_rank else _one_line(inner)
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: text`` on one line (an unpickling error's text has line breaks)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
 def _agreed(problem: str | None, distributed: bool) -> str | None:

@@ -239,11 +239,27 @@ def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
             f"to continue that run, or pick another --out (or delete {config.checkpoints})."
         )
     if found is None:
-        return (
-            f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
-            "point --out at the directory of the run to continue."
-        )
+        return _no_checkpoint(config)
     return _check_fits_run(config, workers)
+
+
+def _no_checkpoint(config: TrainConfig) -> str:
+    """--resume found no committed checkpoint: step directories that lost a file are named with
+    what they lack (incomplete, not absent)."""
+    incomplete = [
+        f"{path.name}: {checkpoint_problem(path) or 'not committed'}"
+        for path in step_dirs(config.checkpoints)
+    ]
+    if incomplete:
+        return (
+            f"--resume found no complete checkpoint in {config.checkpoints}: "
+            f"{'; '.join(incomplete)}. Restore the missing files from a copy, or start without "
+            "--resume (with another --out, or after deleting those directories)."
+        )
+    return (
+        f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
+        "point --out at the directory of the run to continue."
+    )
 
 
 def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
