@@ -266,8 +266,9 @@ class _Feed:
             )
             self.steps_per_call = min(config.steps_per_replay, len(self.data))
             self.description = (
-                f"data on {rt.device}, {nbytes / 2**20:.1f} MiB: gathered in the step, "
-                f"{self.steps_per_call} steps a call"
+                f"data: the whole training set ({len(data)} samples, {nbytes / 2**20:.1f} MiB) "
+                f"on {rt.device}, batches picked inside the step, {self.steps_per_call} steps "
+                "per call (--steps-per-replay)"
             )
         else:
             loader = _loader(data, config, rt, split="train")
@@ -276,8 +277,11 @@ class _Feed:
                 ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader)
             )
             self.steps_per_call = 1
-            why = "--data loader" if config.data == "loader" else "it does not fit on the device"
-            self.description = f"data: DataLoader + prefetch ({why}, {nbytes / 2**20:.1f} MiB)"
+            why = "of --data loader" if config.data == "loader" else "it does not fit on the device"
+            self.description = (
+                f"data: a DataLoader, each batch copied to {rt.device} ahead of its step "
+                f"(prefetch), because {why} ({nbytes / 2**20:.1f} MiB)"
+            )
 
     @property
     def state(self) -> Any:
@@ -494,36 +498,36 @@ class _Progress:
 
 def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     from rich.console import Console
+
+    console = Console()
+    for line in report_lines(config, everyone):
+        console.print(line)
+    path = write_run_json(Path(config.out), config, everyone)
+    console.print(f"wrote {path}")
+
+
+def report_lines(config: TrainConfig, everyone: list[dict[str, Any]]) -> list[Any]:
+    """The per-rank table, then the mode on a line of its own: its reason is long ("eager (cpu:
+    no CUDA graphs)"), and as a column it would not fit 80 columns."""
     from rich.table import Table
 
     table = Table(title=f"ddpgraph train: {config.model}, {config.steps} steps")
-    columns = (
-        "rank",
-        "device",
-        "mode",
-        "first replay",
-        "samples",
-        "final loss",
-        "accuracy",
-        "steps/s",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
+    for column in ("rank", "device", "first replay", "samples", "loss", "accuracy", "steps/s"):
+        table.add_column(column, justify="right", no_wrap=True)
     for m in everyone:
         table.add_row(
             str(m["rank"]),
             m["device"],
-            mode_text(m),
             "-" if m["time_to_first_replay_s"] is None else f"{m['time_to_first_replay_s']:.2f} s",
             str(m["samples_seen"]),
             f"{m['final_loss']:.4f}",
             f"{m['accuracy']:.1%}",
             f"{m['steps_per_s']:.1f}",
         )
-    console = Console()
-    console.print(table)
-    path = write_run_json(Path(config.out), config, everyone)
-    console.print(f"wrote {path}")
+    modes = [mode_text(m) for m in everyone]
+    if len(set(modes)) == 1:
+        return [table, f"mode: {modes[0]}, on every rank"]
+    return [table, "mode: " + "; ".join(f"rank {m['rank']} {t}" for m, t in zip(everyone, modes))]
 
 
 def mode_text(metrics: dict[str, Any]) -> str:
