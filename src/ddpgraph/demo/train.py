@@ -266,9 +266,8 @@ class _Feed:
             )
             self.steps_per_call = min(config.steps_per_replay, len(self.data))
             self.description = (
-                f"data: the whole training set ({len(data)} samples, {nbytes / 2**20:.1f} MiB) "
-                f"on {rt.device}, batches picked inside the step, {self.steps_per_call} steps "
-                "per call (--steps-per-replay)"
+                f"data held on {rt.device} ({len(data)} samples, {nbytes / 2**20:.1f} MiB); "
+                f"{self.steps_per_call} steps per call"
             )
         else:
             loader = _loader(data, config, rt, split="train")
@@ -277,10 +276,9 @@ class _Feed:
                 ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader)
             )
             self.steps_per_call = 1
-            why = "of --data loader" if config.data == "loader" else "it does not fit on the device"
+            why = "--data loader" if config.data == "loader" else "too large for the device"
             self.description = (
-                f"data: a DataLoader, each batch copied to {rt.device} ahead of its step "
-                f"(prefetch), because {why} ({nbytes / 2**20:.1f} MiB)"
+                f"data read by a DataLoader with prefetch ({why}, {nbytes / 2**20:.1f} MiB)"
             )
 
     @property
