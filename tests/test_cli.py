@@ -42,6 +42,9 @@ def test_a_ddpgraph_error_is_one_message_with_exit_2_and_the_traceback_only_with
 # --- Ctrl-C: exit status 130 and one line, at any moment --------------------------------------
 
 
+needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+
+
 def _start(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "ddpgraph", *args],
@@ -92,7 +95,29 @@ def _ctrl_c_once_workers_import_torch(job: subprocess.Popen[str]) -> tuple[str, 
             job.wait()
 
 
-needs_proc = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@needs_proc
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "command", [["train", "--steps", "100000"], ["doctor"], ["bench", "--quick"]]
+)
+def test_ctrl_c_while_the_command_itself_imports_torch_is_exit_130_and_one_line(command, tmp_path):
+    job = _start(*command, *(["--out", str(tmp_path / "out")] if command[0] != "doctor" else []))
+    try:
+        deadline = time.monotonic() + 120
+        while not _has_loaded_libtorch(Path(f"/proc/{job.pid}")):
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "torch not loaded within 120 s"
+            time.sleep(0.002)
+        os.killpg(job.pid, signal.SIGINT)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stderr
+    (line,) = [text for text in stderr.splitlines() if "interrupted" in text]
+    assert re.match(rf"ddpgraph( {command[0]})?: interrupted \(SIGINT\)", line), stderr
 
 
 @needs_proc

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
 from .errors import ConfigError
 from .errors import explain as explain_error
@@ -563,6 +563,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 def main() -> None:
     """The console script: a ddpgraph error is its message (exit 2 for a usage error, else 1);
     its traceback only with --debug or DDPGRAPH_DEBUG=1."""
+    _cli_start.done()  # the imports are done: Ctrl-C is a KeyboardInterrupt again
     try:
         cli()
     except REPORTED as exc:
