@@ -77,6 +77,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
         return 128 + int(signum)
     except ChildFailedError as exc:
         return _failed(config, exc)
+    _take(config, INTERRUPTED)  # left by a rank 0 stopped for a restart (--max-restarts)
     _say(_ended(config, nproc))
     return 0
 
@@ -123,9 +124,17 @@ def _failed(config: TrainConfig, exc: Any) -> int:
     # a peer stopped by the launcher once the first rank failed, or one that died otherwise
     others = {r: c for r, c in codes.items() if c != REPORTED_EXIT and r not in reported}
     if others:
-        _say("also ended: " + ", ".join(f"rank {r} (exit code {c})" for r, c in others.items()))
+        _say("also ended: " + ", ".join(f"rank {r} ({_ending(c)})" for r, c in others.items()))
     print(f"(rerun with --debug or {DEBUG_ENV}=1 for the tracebacks)", file=sys.stderr)
     return 2 if all(failure["usage"] for failure in reported.values()) else 1
+
+
+def _ending(code: int) -> str:
+    """How a worker ended: a signal it handled (the launcher's SIGTERM once a peer failed) by
+    name, else its exit code."""
+    if code in INTERRUPTED_EXITS:
+        return f"stopped by {signal.Signals(code - 128).name}"
+    return f"exit code {code}"
 
 
 def _interrupted(config: TrainConfig, nproc: int | None, signal_name: str) -> str:
