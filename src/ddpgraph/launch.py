@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -88,12 +89,19 @@ def run_local(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        # SIGINT stays Python's KeyboardInterrupt in this process (see _workers_ignore_sigint)
-        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT",
+        **_sigint_left_to_python(LaunchConfig),
     )
     with _workers_ignore_sigint():
         result: dict[int, Any] = elastic_launch(config, fn)(*args)
     return result
+
+
+def _sigint_left_to_python(config_type: type) -> dict[str, Any]:
+    """LaunchConfig's option that keeps SIGINT Python's KeyboardInterrupt in this process (see
+    :func:`_workers_ignore_sigint`); an older torch has no such option and always takes it."""
+    if "signals_to_handle" not in {f.name for f in dataclasses.fields(config_type)}:
+        return {}
+    return {"signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT"}
 
 
 @contextlib.contextmanager
