@@ -15,9 +15,10 @@ from __future__ import annotations
 import json
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
-from ddpgraph.bench.report import MODE_TITLES, chart, table_rows, to_markdown
+from ddpgraph.bench.report import MODE_TITLES, chart, table_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -42,28 +43,28 @@ def load() -> list[tuple[str, dict]]:
 
 def section(results: list[tuple[str, dict]]) -> str | None:
     """The performance section, or None when there is nothing to render it from."""
-    rows = [row for name, data in results for row in table_rows(name, data)]
+    rows = latest_rows(results)
     if not rows:
         return None
-    sources = "\n".join(
-        f"- `{name}`: {d['environment']['gpu']}, torch {d['environment']['torch']}, "
-        f"CUDA {d['environment']['cuda']}, NCCL {d['environment'].get('nccl')}, "
-        f"commit {d['environment']['commit'][:10]}, world size {d['world_size']}, "
-        f"{rows_in(name, rows)} config(s), {d['timing']}"
-        for name, d in results
-    )
+    modes = [m for m in MODE_TITLES if any(m in r["modes"] for r in rows)]
+    marks = source_marks(rows)
     parts = [
         *scope(results),
         "",
-        "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios).",
-        "First fast step: seconds from building the model to steady state (compiling, warming up,",
-        "capturing), per mode in column order, from each file's first run (cold compile caches).",
+        "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios,",
+        "each within one run). One column per config; each cell is the newest measurement of",
+        "that mode, its letter the result file it comes from.",
         "",
-        to_markdown(rows),
+        *by_mode_table(rows, modes, marks, _step_cell),
+        "",
+        "First fast step: seconds from building the model to steady state (compiling, warming",
+        "up, capturing), from each file's first run (cold compile caches):",
+        "",
+        *by_mode_table(rows, modes, marks, _first_fast_cell),
         "",
         "Sources:",
         "",
-        sources,
+        *(f"- {letter}: {_file_line(name, results)}" for name, letter in marks.items()),
     ]
     CHART.parent.mkdir(parents=True, exist_ok=True)
     drawn = chart(rows, CHART)
@@ -77,6 +78,64 @@ def section(results: list[tuple[str, dict]]) -> str | None:
         link = CHART.relative_to(PAGE.parent).as_posix()
         parts += ["", f"![step time relative to eager DDP]({link})"]
     return "\n".join(parts)
+
+
+def latest_rows(results: list[tuple[str, dict]]) -> list[dict]:
+    """One row per config: each mode's newest measurement (by the file's run date) with its own
+    run's ratio; ``sources`` names the file of each mode. Configs from the shortest eager step
+    to the longest."""
+    merged: dict[str, dict] = {}
+    for name, data in sorted(results, key=lambda item: item[1]["environment"]["date"]):
+        for row in table_rows(name, data):
+            into = merged.setdefault(row["config"], {"config": row["config"], "modes": {}})
+            into.setdefault("sources", {})
+            for mode, measured in row["modes"].items():
+                into["modes"][mode] = measured
+                into["sources"][mode] = name
+    return sorted(merged.values(), key=lambda row: row["modes"]["eager_ddp"]["median_ms"])
+
+
+def source_marks(rows: list[dict]) -> dict[str, str]:
+    """A letter per result file the rows use, in file-name order."""
+    names = sorted({name for row in rows for name in row["sources"].values()})
+    return {name: chr(ord("a") + i) for i, name in enumerate(names)}
+
+
+def by_mode_table(
+    rows: list[dict], modes: list[str], marks: dict[str, str], cell: Callable[[dict], str]
+) -> list[str]:
+    """A mode per line and a config per column: three configs fit the page, seven modes do not."""
+    lines = [
+        "| mode | " + " | ".join(row["config"] for row in rows) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
+    for mode in modes:
+        cells = [
+            f"{cell(row['modes'][mode])} {marks[row['sources'][mode]]}"
+            if mode in row["modes"]
+            else "–"
+            for row in rows
+        ]
+        lines.append(f"| {MODE_TITLES[mode]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _step_cell(measured: dict) -> str:
+    return f"{measured['median_ms']:.3f} ({measured['vs_eager']:.2f}×)"
+
+
+def _first_fast_cell(measured: dict) -> str:
+    return f"{measured['first_fast_step_s']:.1f}"
+
+
+def _file_line(name: str, results: list[tuple[str, dict]]) -> str:
+    data = dict(results)[name]
+    env = data["environment"]
+    return (
+        f"`{name}`: {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, NCCL "
+        f"{env.get('nccl')}, commit {env['commit'][:10]}, {env['date'][:10]}, world size "
+        f"{data['world_size']}"
+    )
 
 
 def scope(results: list[tuple[str, dict]]) -> list[str]:
@@ -104,12 +163,12 @@ def _bullet(text: str) -> str:
 
 def headline(results: list[tuple[str, dict]]) -> str | None:
     """The README's short table: the main modes, with what the numbers include."""
-    rows = _one_row_per_config([row for name, data in results for row in table_rows(name, data)])
+    rows = latest_rows(results)
     if not rows:
         return None
     modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
     lines = [
-        "Median step time in ms (× eager DDP; lower is faster):",
+        "Median step time in ms (× eager DDP, within one run; lower is faster):",
         "",
         "| config | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
         "|---|" + "---:|" * len(modes),
@@ -125,26 +184,14 @@ def headline(results: list[tuple[str, dict]]) -> str | None:
             else:
                 cells.append(f"{m['median_ms']:.2f} ({m['vs_eager']:.2f}×)")
         lines.append("| " + " | ".join(cells) + " |")
-    shown = {row["source"] for row in rows}
-    sources = ", ".join(f"`{name}`" for name, _ in results if name in shown)
+    shown = sorted({row["sources"][m] for row in rows for m in modes if m in row["modes"]})
+    sources = ", ".join(f"`{name}`" for name in shown)
     more = _bullet(
-        f"**Sources:** {sources} in `benchmarks/results/`. The full tables, the time to the first "
-        "fast step, and the loader and variable-length measurements: "
-        "[docs/benchmarks.md](docs/benchmarks.md)."
+        f"**Sources:** {sources} in `benchmarks/results/` (each config's newest measurement of "
+        "each mode). The full tables, the time to the first fast step, and the loader and "
+        "variable-length measurements: [docs/benchmarks.md](docs/benchmarks.md)."
     )
     return "\n".join([*lines, "", *scope(results), more])
-
-
-def _one_row_per_config(rows: list[dict]) -> list[dict]:
-    """Where several files measured a config (fp16 next to bf16, DeviceData next to TrainStep),
-    the README's short table keeps the row with the most of its modes; the docs page shows all."""
-    best: dict[str, dict] = {}
-    for row in rows:
-        count = sum(m in row["modes"] for m in HEADLINE_MODES)
-        kept = best.get(row["config"])
-        if kept is None or count > sum(m in kept["modes"] for m in HEADLINE_MODES):
-            best[row["config"]] = row
-    return [row for row in rows if best[row["config"]] is row]
 
 
 def _versions(results: list[tuple[str, dict]]) -> str:
@@ -152,10 +199,6 @@ def _versions(results: list[tuple[str, dict]]) -> str:
     return " / ".join(
         sorted({f"{e['torch']} (CUDA {e['cuda']}, NCCL {e.get('nccl')})" for e in envs})
     )
-
-
-def rows_in(name: str, rows: list[dict]) -> int:
-    return sum(1 for r in rows if r["source"] == name)
 
 
 def _median(values: list[float]) -> float:

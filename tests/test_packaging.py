@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -77,3 +78,39 @@ def test_render_without_results_keeps_the_sections_as_they_were(render, tmp_path
     render.main()
     assert (render.README.read_text(), render.PAGE.read_text()) == before
     assert "kept that section as it was" in capsys.readouterr().err
+
+
+def _bench_file(path, date, eager_ms, step_ms):
+    run = {
+        "eager_ddp": {"median_ms": eager_ms, "first_fast_step_s": 1.0},
+        "train_step": {"median_ms": step_ms, "first_fast_step_s": 0.5},
+    }
+    env = {
+        "gpu": "GPU X",
+        "torch": "2.x",
+        "cuda": "13",
+        "nccl": "2",
+        "commit": "c0ffee",
+        "date": date,
+    }
+    data = {"environment": env, "world_size": 1, "timing": "t", "configs": {"MLP": {"runs": [run]}}}
+    path.write_text(json.dumps(data))
+
+
+def test_render_shows_each_config_once_with_its_newest_result_in_tables_that_fit(render, tmp_path):
+    render.RESULTS = tmp_path / "results"
+    render.RESULTS.mkdir()
+    render.chart = lambda rows, path: False
+    render.CHART = tmp_path / "no-chart.png"
+    _bench_file(render.RESULTS / "b-old.json", "2026-01-01T00:00:00Z", 4.0, 2.0)
+    _bench_file(render.RESULTS / "a-new.json", "2026-02-01T00:00:00Z", 4.0, 1.0)
+    render.main()
+    page = render.PAGE.read_text()
+    perf = page.split("<!-- perf:start -->")[1].split("<!-- perf:end -->")[0]
+    tables = [line for line in perf.splitlines() if line.startswith("|")]
+    assert "| mode | MLP |" in tables
+    assert "| TrainStep | 1.000 (0.25×) a |" in tables  # the newer file, not the older
+    assert "b-old.json" not in perf  # a file whose every cell is newer elsewhere is no source
+    assert max(map(len, tables)) <= 100
+    readme = render.README.read_text().split("<!-- perf:start -->")[1]
+    assert readme.count("| MLP |") == 1

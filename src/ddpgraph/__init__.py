@@ -5,6 +5,7 @@ Public names are exactly those in ``__all__`` (pinned by a test); everything els
 
 from __future__ import annotations
 
+from . import _cli_start  # noqa: F401  # first: Ctrl-C while the command line imports torch
 from .checkpoint import (
     CheckpointError,
     ResumableLoader,

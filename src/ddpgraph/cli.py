@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import sys
 import tempfile
 import tokenize
@@ -12,13 +13,41 @@ from pathlib import Path
 
 import click
 
-from . import __version__
+from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
 from .errors import ConfigError
 from .errors import explain as explain_error
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The command group: a signal that stops a command (Ctrl-C, or SIGTERM to one that launched
+    workers) ends it with one line and 128 + the signal, as a shell reports it, instead of
+    click's "Aborted!" with exit status 1 or a traceback (--debug keeps the traceback)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except BaseException as exc:
+            signum = _stopped_by(exc)
+            if signum is None or debug_requested():
+                raise
+            command = " ".join(filter(None, ["ddpgraph", ctx.invoked_subcommand]))
+            click.echo(f"{command}: interrupted ({signal.Signals(signum).name})", err=True)
+            raise SystemExit(128 + signum) from None
+
+
+def _stopped_by(exc: BaseException) -> int | None:
+    """The signal behind ``exc``: SIGINT for KeyboardInterrupt, torch's agent's SignalException
+    (SIGTERM, SIGHUP, SIGQUIT while it runs workers); None for any other exception."""
+    if isinstance(exc, KeyboardInterrupt):
+        return int(signal.SIGINT)
+    agent = sys.modules.get("torch.distributed.elastic.multiprocessing.api")
+    if agent is not None and isinstance(exc, agent.SignalException):
+        return int(exc.sigval)
+    return None
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ddpgraph")
 @click.option(
     "--debug",
@@ -191,11 +220,14 @@ def train(
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
-    default=Path("benchmarks/results/bench.json"),
-    show_default=True,
-    help="JSON file; the .md table and .png chart are written beside it.",
+    default=None,
+    help="The result set's JSON file; a plain run also writes the .md table and .png chart "
+    "beside it. A run replaces the whole set, and refuses a file of another kind of run "
+    "[default: benchmarks/results/bench.json, varlen.json with --varlen, hf.json with --hf].",
 )
+@click.pass_context
 def bench(
+    ctx: click.Context,
     configs: tuple[str, ...],
     modes: tuple[str, ...],
     steps: int,
@@ -203,13 +235,14 @@ def bench(
     quick: bool,
     varlen: bool,
     hf: tuple[str, ...],
-    out: Path,
+    out: Path | None,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
-    problem = _unwritable_file(out)
-    if problem:  # found now, not after the whole run has been measured
-        raise click.BadParameter(problem, param_hint="'--out'")
-    if varlen and hf:
+    kind = "hf" if hf else "varlen" if varlen else "bench"
+    _refuse_ignored_options(ctx, kind)
+    out = out or Path(f"benchmarks/results/{kind}.json")
+    _prepare_result_set(out, kind)  # found now, not after the whole run has been measured
+    if kind == "hf":
         from .bench.hf import ARCHITECTURES, run_hf
 
         names = [n for n in hf if n != "all"] or None
@@ -219,22 +252,109 @@ def bench(
                 f"unknown {unknown}; choose from {', '.join(ARCHITECTURES)}", param_hint="--hf"
             )
         run_hf(repeats=repeats, out=out, only=names, steps=steps)
-        return
-    if varlen:
+    elif kind == "varlen":
         from .bench.varlen import run_varlen
 
         run_varlen(repeats=repeats, quick=quick, out=out)
-        return
-    from .bench import run_bench
+    else:
+        from .bench import run_bench
 
-    run_bench(
-        list(configs),
-        modes=list(modes) or None,
-        steps=steps,
-        repeats=repeats,
-        quick=quick,
-        out=out,
-    )
+        run_bench(
+            list(configs),
+            modes=list(modes) or None,
+            steps=steps,
+            repeats=repeats,
+            quick=quick,
+            out=out,
+        )
+    for path in _result_set(out, kind):
+        if path.exists():
+            click.echo(f"ddpgraph bench: wrote {path}")
+
+
+# What each kind of bench run takes besides --repeats and --out; any other option given is
+# refused rather than silently ignored.
+_BENCH_OPTIONS = {
+    "bench": {"configs", "modes", "steps", "quick"},
+    "varlen": {"varlen", "quick"},
+    "hf": {"varlen", "hf", "steps"},
+}
+_BENCH_RUNS = {"bench": "ddpgraph bench", "varlen": "--varlen", "hf": "--varlen --hf"}
+
+
+def _refuse_ignored_options(ctx: click.Context, kind: str) -> None:
+    if kind == "hf" and not ctx.params["varlen"]:
+        raise click.UsageError(
+            "--hf runs real transformers models on variable-length batches, a --varlen run: "
+            "add --varlen (e.g. `ddpgraph bench --varlen --hf gpt2`)."
+        )
+    given = [
+        name
+        for name in ("configs", "modes", "steps", "quick")
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        and name not in _BENCH_OPTIONS[kind]
+    ]
+    if given:
+        flags = ", ".join(_flag(ctx, name) for name in given)
+        raise click.UsageError(
+            f"{flags}: not used by a {_BENCH_RUNS[kind]} run, which takes "
+            f"{', '.join(sorted(_flag(ctx, n) for n in _BENCH_OPTIONS[kind]))}, --repeats and "
+            "--out; leave them out."
+        )
+
+
+def _flag(ctx: click.Context, name: str) -> str:
+    return next(p.opts[0] for p in ctx.command.params if p.name == name)
+
+
+def _result_set(out: Path, kind: str) -> list[Path]:
+    """The files of one run: the JSON, and for a plain run its table and chart beside it."""
+    return [out, out.with_suffix(".md"), out.with_suffix(".png")] if kind == "bench" else [out]
+
+
+def _prepare_result_set(out: Path, kind: str) -> None:
+    """Make ``out`` ready for a ``kind`` run, or refuse it: its folder writable (created and
+    said if new), an existing JSON of the same kind, and the old set's table and chart removed
+    (said), so that an interrupted run never leaves one run's JSON beside another's table."""
+    folder = out.parent
+    created = not folder.exists()
+    problem = _unwritable_file(out)
+    if problem:
+        raise click.BadParameter(problem, param_hint="'--out'")
+    if created:
+        click.echo(f"ddpgraph bench: created {folder}", err=True)
+    found = _result_kind(out)
+    if found is not None and found != kind:
+        raise click.BadParameter(
+            f"{out} holds {found}; this is a {_BENCH_RUNS[kind]} run. Pick another --out, "
+            "or delete that file to replace it.",
+            param_hint="'--out'",
+        )
+    for companion in (out.with_suffix(".md"), out.with_suffix(".png")):
+        if companion.exists() and companion != out:
+            companion.unlink()
+            click.echo(
+                f"ddpgraph bench: removed {companion} (of the set this run replaces)", err=True
+            )
+
+
+def _result_kind(path: Path) -> str | None:
+    """Which kind of bench run wrote ``path`` (None: no file); a text for any other file."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "a file that is not a ddpgraph bench result"
+    if not isinstance(data, dict):
+        return "a file that is not a ddpgraph bench result"
+    if "configs" in data:
+        return "bench"
+    if "batches" in data:
+        return "hf"
+    if "config" in data and "runs" in data:
+        return "varlen"
+    return "a file that is not a ddpgraph bench result"
 
 
 def _unwritable_file(path: Path) -> str | None:
@@ -318,7 +438,20 @@ def explain(source: str) -> None:
 def _read_message(source: str) -> str:
     """The text of ``explain``'s SOURCE: stdin for "-", a file's contents, or SOURCE itself."""
     if source == "-":
-        return _decode(sys.stdin.buffer.read())
+        text = _decode(sys.stdin.buffer.read())
+        if not text.strip():
+            raise click.BadParameter(
+                "no text on stdin; pipe the error into it, e.g. "
+                "`python train.py 2>&1 | ddpgraph explain -`, or pass the message itself.",
+                param_hint="'SOURCE'",
+            )
+        return text
+    if not source.strip():  # Path("") is the working directory
+        raise click.BadParameter(
+            "empty; pass the error message (quoted), a log file that holds it, or - to read it "
+            "from stdin.",
+            param_hint="'SOURCE'",
+        )
     try:
         is_file = "\n" not in source and Path(source).is_file()
         is_dir = "\n" not in source and Path(source).is_dir()
@@ -430,6 +563,7 @@ def launch(torchrun_args: tuple[str, ...]) -> None:
 def main() -> None:
     """The console script: a ddpgraph error is its message (exit 2 for a usage error, else 1);
     its traceback only with --debug or DDPGRAPH_DEBUG=1."""
+    _cli_start.done()  # the imports are done: Ctrl-C is a KeyboardInterrupt again
     try:
         cli()
     except REPORTED as exc:

@@ -320,11 +320,17 @@ def test_a_reported_worker_error_is_one_line_per_message_and_other_endings_are_n
     config = TrainConfig(out=str(tmp_path))
     report = {"type": "CheckpointError", "message": "no checkpoint loads", "usage": True}
     (tmp_path / FAILED.format(rank=0)).write_text(json.dumps(report))
-    failures = {0: SimpleNamespace(exitcode=REPORTED_EXIT), 1: SimpleNamespace(exitcode=-15)}
+    failures = {
+        0: SimpleNamespace(exitcode=REPORTED_EXIT),
+        1: SimpleNamespace(exitcode=-15),
+        2: SimpleNamespace(exitcode=143),  # handled the launcher's SIGTERM
+    }
     assert _failed(config, SimpleNamespace(failures=failures)) == 2
     err = capsys.readouterr().err
     assert "ddpgraph train: failed on rank(s) 0: CheckpointError: no checkpoint loads\n" in err
-    assert "ddpgraph train: also ended: rank 1 (exit code -15)\n" in err
+    assert (
+        "ddpgraph train: also ended: rank 1 (exit code -15), rank 2 (stopped by SIGTERM)\n" in err
+    )
     assert not list(tmp_path.iterdir())  # the report is taken
 
     # a failure no rank reported: torch's own report, exit status 1

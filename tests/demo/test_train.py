@@ -25,7 +25,7 @@ def test_train_end_to_end_on_two_cpu_ranks(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ddpgraph train: mlp" in proc.stdout and "wrote" in proc.stdout
-    assert proc.stdout.count("eager (cpu: no CUDA graphs)") == 2, proc.stdout  # one per rank
+    assert "mode: eager (cpu: no CUDA graphs), on every rank" in proc.stdout, proc.stdout
     run = json.loads((out / "run.json").read_text())
     assert run["world_size"] == 2 and [r["rank"] for r in run["ranks"]] == [0, 1]
     chance = 1 / NUM_CLASSES
@@ -47,6 +47,32 @@ def test_the_mode_cell_says_why_a_rank_runs_eager():
     )
     assert cell("cuda:0", fallbacks=("capture failed",)) == "eager (fallback: see run.json)"
     assert cell("cuda:0", "graphed") == "graphed"
+
+
+def test_the_report_fits_80_columns_and_names_a_shared_mode_once():
+    from rich.console import Console
+
+    from ddpgraph.demo.train import TrainConfig, report_lines
+
+    def rank(r: int, mode: str = "eager") -> dict:
+        return {
+            "rank": r, "device": "cpu", "mode": mode, "fallbacks": ["the model is on cpu"],
+            "time_to_first_replay_s": None, "samples_seen": 19200, "final_loss": 0.1234,
+            "accuracy": 0.531, "steps_per_s": 171.3,
+        }  # fmt: skip
+
+    def shown(everyone: list[dict]) -> str:
+        console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+        for line in report_lines(TrainConfig(), everyone):
+            console.print(line)
+        return console.export_text()
+
+    text = shown([rank(0), rank(1)])
+    assert max(map(len, text.splitlines())) <= 80
+    assert "accuracy" in text and "…" not in text
+    assert text.count("eager (cpu: no CUDA graphs)") == 1 and text.rstrip().endswith("every rank")
+    mixed = shown([rank(0), rank(1, mode="graphed")])  # ranks that differ: a column
+    assert "mode: rank 0 eager (cpu: no CUDA graphs); rank 1 graphed" in mixed
 
 
 def test_bad_cli_values_are_refused():

@@ -129,11 +129,19 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _first_cause(exc: BaseException) -> str:
-    """The first underlying error of a DCP failure (it wraps each rank's), as ``Type: text``."""
+def _first_cause(exc: BaseException, *, name_rank: bool = True) -> str:
+    """The first underlying error of a DCP failure (it wraps each rank's), as ``[rank N: ]Type:
+    text`` on one line."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, Mapping) and failures:
         rank, inner = min(failures.items(), key=lambda item: item[0])
         inner = getattr(inner, "exc", inner)  # a _WrappedException holds the real one
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
-    return f"{type(exc).__name__}: {exc}"
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # torch 2.13: (the exception, its FrameSummary list)
+        return f"rank {rank}: {_one_line(inner)}" if name_rank else _one_line(inner)
+    return _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: text`` on one line (an unpickling error's text has line breaks)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -105,7 +105,8 @@ def _read_into(state: dict[str, Any], path: Path, distributed: bool) -> str | No
         with _quiet_single_process():
             dcp_load(state, checkpoint_id=path, no_dist=not distributed)
     except (Exception, CheckpointException) as exc:
-        return f"its data does not load ({_first_cause(exc)})"
+        # _agreed names the rank
+        return f"its data does not load ({_first_cause(exc, name_rank=False)})"
     return None
 
 

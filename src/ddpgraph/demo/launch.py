@@ -25,7 +25,7 @@ from ..distributed.launch import default_nproc, run_local
 from .train import (
     FAILED,
     INTERRUPTED,
-    INTERRUPTED_EXIT,
+    INTERRUPTED_EXITS,
     REPORTED_EXIT,
     SAME_ON_RESUME,
     TRAIN_SAMPLES,
@@ -67,7 +67,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
             nproc=workers,
             name="train",
             max_restarts=config.max_restarts,
-            reported_exits=() if debug_requested() else (REPORTED_EXIT, INTERRUPTED_EXIT),
+            reported_exits=() if debug_requested() else (REPORTED_EXIT, *INTERRUPTED_EXITS),
         )
     except (SignalException, KeyboardInterrupt) as exc:
         if debug_requested():
@@ -77,6 +77,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
         return 128 + int(signum)
     except ChildFailedError as exc:
         return _failed(config, exc)
+    _take(config, INTERRUPTED)  # left by a rank 0 stopped for a restart (--max-restarts)
     _say(_ended(config, nproc))
     return 0
 
@@ -110,6 +111,7 @@ def _take_failures(config: TrainConfig) -> dict[int, dict[str, Any]]:
 def _failed(config: TrainConfig, exc: Any) -> int:
     """A worker failed: a ddpgraph error as its message (grouped by rank), else torch's report."""
     reported = _take_failures(config)
+    _take(config, INTERRUPTED)  # left by a rank 0 the launcher stopped (SIGTERM): not the news
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
     if not reported or REPORTED_EXIT not in codes.values():
         _say(f"failed:\n{exc.format_msg()}")
@@ -122,9 +124,17 @@ def _failed(config: TrainConfig, exc: Any) -> int:
     # a peer stopped by the launcher once the first rank failed, or one that died otherwise
     others = {r: c for r, c in codes.items() if c != REPORTED_EXIT and r not in reported}
     if others:
-        _say("also ended: " + ", ".join(f"rank {r} (exit code {c})" for r, c in others.items()))
+        _say("also ended: " + ", ".join(f"rank {r} ({_ending(c)})" for r, c in others.items()))
     print(f"(rerun with --debug or {DEBUG_ENV}=1 for the tracebacks)", file=sys.stderr)
     return 2 if all(failure["usage"] for failure in reported.values()) else 1
+
+
+def _ending(code: int) -> str:
+    """How a worker ended: a signal it handled (the launcher's SIGTERM once a peer failed) by
+    name, else its exit code."""
+    if code in INTERRUPTED_EXITS:
+        return f"stopped by {signal.Signals(code - 128).name}"
+    return f"exit code {code}"
 
 
 def _interrupted(config: TrainConfig, nproc: int | None, signal_name: str) -> str:
@@ -238,11 +248,27 @@ def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
             f"to continue that run, or pick another --out (or delete {config.checkpoints})."
         )
     if found is None:
-        return (
-            f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
-            "point --out at the directory of the run to continue."
-        )
+        return _no_checkpoint(config)
     return _check_fits_run(config, workers)
+
+
+def _no_checkpoint(config: TrainConfig) -> str:
+    """--resume found no committed checkpoint: step directories that lost a file are named with
+    what they lack (incomplete, not absent)."""
+    incomplete = [
+        f"{path.name}: {checkpoint_problem(path) or 'not committed'}"
+        for path in step_dirs(config.checkpoints)
+    ]
+    if incomplete:
+        return (
+            f"--resume found no complete checkpoint in {config.checkpoints}: "
+            f"{'; '.join(incomplete)}. Restore the missing files from a copy, or start without "
+            "--resume (with another --out, or after deleting those directories)."
+        )
+    return (
+        f"--resume found no checkpoint in {config.checkpoints}; start without --resume, or "
+        "point --out at the directory of the run to continue."
+    )
 
 
 def _check_fits_run(config: TrainConfig, workers: int) -> str | None:

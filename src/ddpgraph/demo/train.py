@@ -78,22 +78,35 @@ class TrainConfig:
 INTERRUPTED = ".interrupted"  # JSON {"step": N}: the last step every rank finished, from rank 0
 FAILED = ".failed-rank{rank}"  # one ddpgraph error's message, per failing rank
 REPORTED_EXIT = 3  # a worker that wrote FAILED exits with this: the launcher prints no traceback
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# 128 + the signal, as a shell reports it: Ctrl-C (SIGINT), or the launcher's stop (SIGTERM)
+INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
 
 
 class _Interrupt:
     """Ctrl-C in a worker: remember it, so that whatever it breaks (a peer's collective that
-    loses its partner fails with gloo's error, not KeyboardInterrupt) still counts as the stop."""
+    loses its partner fails with gloo's error, not KeyboardInterrupt) still counts as the stop.
+
+    SIGTERM counts too: the launcher stops the workers with it once it saw Ctrl-C, and it may
+    come first. The worker starts with SIGINT ignored (ddpgraph.distributed.launch.run_local), so a Ctrl-C
+    before :meth:`install` is the launcher's alone.
+    """
 
     def __init__(self) -> None:
-        self.seen = False
+        self.signum: int | None = None
         self.step = 0  # the last step this rank finished
 
+    @property
+    def seen(self) -> bool:
+        return self.signum is not None
+
     def install(self) -> None:
-        signal.signal(signal.SIGINT, self._handle)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
-        self.seen = True
+        if self.seen:
+            return  # the second signal (SIGINT, then the launcher's SIGTERM): already stopping
+        self.signum = signum
         raise KeyboardInterrupt
 
 
@@ -122,7 +135,7 @@ def _stop_interrupted(config: TrainConfig) -> None:
     for peers that are stopping too (or for a store that is already gone)."""
     if os.environ.get("RANK", "0") == "0":
         _leave(Path(config.out) / INTERRUPTED, json.dumps({"step": _interrupt.step}))
-    _exit(INTERRUPTED_EXIT)
+    _exit(128 + (_interrupt.signum or signal.SIGINT))
 
 
 def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
@@ -253,8 +266,8 @@ class _Feed:
             )
             self.steps_per_call = min(config.steps_per_replay, len(self.data))
             self.description = (
-                f"data on {rt.device}, {nbytes / 2**20:.1f} MiB: gathered in the step, "
-                f"{self.steps_per_call} steps a call"
+                f"data held on {rt.device} ({len(data)} samples, {nbytes / 2**20:.1f} MiB); "
+                f"{self.steps_per_call} steps per call"
             )
         else:
             loader = _loader(data, config, rt, split="train")
@@ -263,8 +276,10 @@ class _Feed:
                 ddpgraph.prefetch(loader, rt.device), sampler=_sampler_of(loader)
             )
             self.steps_per_call = 1
-            why = "--data loader" if config.data == "loader" else "it does not fit on the device"
-            self.description = f"data: DataLoader + prefetch ({why}, {nbytes / 2**20:.1f} MiB)"
+            why = "--data loader" if config.data == "loader" else "too large for the device"
+            self.description = (
+                f"data read by a DataLoader with prefetch ({why}, {nbytes / 2**20:.1f} MiB)"
+            )
 
     @property
     def state(self) -> Any:
@@ -481,36 +496,36 @@ class _Progress:
 
 def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     from rich.console import Console
+
+    console = Console()
+    for line in report_lines(config, everyone):
+        console.print(line)
+    path = write_run_json(Path(config.out), config, everyone)
+    console.print(f"wrote {path}")
+
+
+def report_lines(config: TrainConfig, everyone: list[dict[str, Any]]) -> list[Any]:
+    """The per-rank table, then the mode on a line of its own: its reason is long ("eager (cpu:
+    no CUDA graphs)"), and as a column it would not fit 80 columns."""
     from rich.table import Table
 
     table = Table(title=f"ddpgraph train: {config.model}, {config.steps} steps")
-    columns = (
-        "rank",
-        "device",
-        "mode",
-        "first replay",
-        "samples",
-        "final loss",
-        "accuracy",
-        "steps/s",
-    )
-    for column in columns:
-        table.add_column(column, justify="right")
+    for column in ("rank", "device", "first replay", "samples", "loss", "accuracy", "steps/s"):
+        table.add_column(column, justify="right", no_wrap=True)
     for m in everyone:
         table.add_row(
             str(m["rank"]),
             m["device"],
-            mode_text(m),
             "-" if m["time_to_first_replay_s"] is None else f"{m['time_to_first_replay_s']:.2f} s",
             str(m["samples_seen"]),
             f"{m['final_loss']:.4f}",
             f"{m['accuracy']:.1%}",
             f"{m['steps_per_s']:.1f}",
         )
-    console = Console()
-    console.print(table)
-    path = write_run_json(Path(config.out), config, everyone)
-    console.print(f"wrote {path}")
+    modes = [mode_text(m) for m in everyone]
+    if len(set(modes)) == 1:
+        return [table, f"mode: {modes[0]}, on every rank"]
+    return [table, "mode: " + "; ".join(f"rank {m['rank']} {t}" for m, t in zip(everyone, modes))]
 
 
 def mode_text(metrics: dict[str, Any]) -> str:

@@ -18,11 +18,14 @@ process group is created: the script creates its own, as it does under torchrun.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import os
+import signal
 import sys
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -60,6 +63,11 @@ def run_local(
     once ``max_restarts`` restarts of all workers (torchrun's ``--max-restarts``) are used up.
     A worker exiting with a status in ``reported_exits`` has said why itself: the agent's
     traceback of its exit is not printed.
+
+    Ctrl-C raises ``KeyboardInterrupt`` here once the agent has stopped the workers (SIGTERM);
+    the workers start with SIGINT ignored, so one still importing torch dies without a traceback
+    (a worker that wants Ctrl-C installs its own handler). Other signals torch's agent turns into
+    its ``SignalException``.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -81,9 +89,46 @@ def run_local(
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        **_sigint_left_to_python(LaunchConfig),
     )
-    result: dict[int, Any] = elastic_launch(config, fn)(*args)
+    with _workers_ignore_sigint():
+        result: dict[int, Any] = elastic_launch(config, fn)(*args)
     return result
+
+
+def _sigint_left_to_python(config_type: type) -> dict[str, Any]:
+    """LaunchConfig's option that keeps SIGINT Python's KeyboardInterrupt in this process (see
+    :func:`_workers_ignore_sigint`); an older torch has no such option and always takes it."""
+    if "signals_to_handle" not in {f.name for f in dataclasses.fields(config_type)}:
+        return {}
+    return {"signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT"}
+
+
+@contextlib.contextmanager
+def _workers_ignore_sigint() -> Iterator[None]:
+    """Spawn the agent's workers with SIGINT ignored, this process keeping its own handler.
+
+    A terminal's Ctrl-C reaches every process of the group: a worker still importing torch would
+    die in the middle of it with a KeyboardInterrupt traceback. An ignored signal is inherited
+    through exec, a handler is not, so SIGINT is ignored only while the workers are spawned (a
+    few milliseconds); torch's agent has no hook there, hence the wrapped function.
+    """
+    from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+
+    spawn = agent.start_processes
+
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return spawn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    agent.start_processes = start_processes
+    try:
+        yield
+    finally:
+        agent.start_processes = spawn
 
 
 _SHUTDOWN_LOGGERS = (

@@ -344,9 +344,13 @@ def run_selftest(
     nproc: int | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[CheckResult]:
     """Start ``nproc`` ranks, run the checks on each, and merge the outcomes per check."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     nproc = default_nproc() if nproc is None else nproc
     try:
         per_rank = _launch(nproc, timeout_s)
+    except SignalException:
+        raise  # the self-test was stopped (SIGTERM, SIGHUP): not a fault of the environment
     except Exception as exc:
         return [_launch_failure(exc)]
     return merge(per_rank)

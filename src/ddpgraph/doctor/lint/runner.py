@@ -70,6 +70,21 @@ def _parse(source: str, filename: str) -> ast.Module:
         raise LintError(filename, f"cannot parse: {exc}") from None
 
 
+_PYTHON_SUFFIXES = frozenset({".py", ".pyw", ".pyi"})
+
+
+def _is_python(path: Path) -> bool:
+    """A .py name, or a script whose #! line runs python (``#!/usr/bin/env python3``)."""
+    if path.suffix.lower() in _PYTHON_SUFFIXES:
+        return True
+    try:
+        with path.open("rb") as handle:
+            first = handle.readline(200)
+    except OSError:
+        return True  # reading it fails again, with the reason, where it is linted
+    return first.startswith(b"#!") and b"python" in first
+
+
 def _suppressed(lines: Sequence[str], line: int, code: str) -> bool:
     if not 1 <= line <= len(lines):
         return False
@@ -109,6 +124,15 @@ def lint_paths(
         files = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         if not files:  # a wrong directory must not pass as "no findings"
             errors.append(LintError(str(path), "is a directory without any *.py file"))
+        if path.is_file() and not _is_python(path):  # notes.txt must not pass as "no findings"
+            errors.append(
+                LintError(
+                    str(path),
+                    "is not a Python file (neither a .py name nor a #! line naming python); "
+                    "pass the training script itself",
+                )
+            )
+            continue
         for file in files:
             try:
                 findings.extend(lint_file(file, strict=strict))
