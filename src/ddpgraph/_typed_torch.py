@@ -21,11 +21,13 @@ __all__ = [
     "child_failure_message",
     "cuda_event",
     "cuda_stream",
+    "cudnn_version",
     "dcp_load",
     "ddp_set_logging_sample_rate",
     "ddp_sync_buffers",
     "ddp_will_sync_buffers",
     "filesystem_reader",
+    "nccl_version",
     "torch_device",
     "torchrun",
 ]
@@ -60,6 +62,20 @@ def ddp_sync_buffers(ddp: DistributedDataParallel, *, authoritative_rank: int) -
 
 def ddp_set_logging_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
     ddp._set_ddp_runtime_logging_sample_rate(rate)  # type: ignore[no-untyped-call]
+
+
+def cudnn_version() -> int | None:
+    """cuDNN's version number, None where cuDNN is not available."""
+    backends = torch.backends.cudnn
+    if not backends.is_available():  # type: ignore[no-untyped-call]
+        return None
+    version: int | None = backends.version()  # type: ignore[no-untyped-call]
+    return version
+
+
+def nccl_version() -> tuple[int, ...]:
+    version: tuple[int, ...] = tuple(torch.cuda.nccl.version())  # type: ignore[no-untyped-call]
+    return version
 
 
 def torchrun(args: Any) -> None:

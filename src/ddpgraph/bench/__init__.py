@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._typed_torch import cuda_event, nccl_version
 from ..data.device_data import DeviceData
 from ..distributed import runtime
 from ..step import TrainStep
@@ -60,13 +61,15 @@ class _Encoder(nn.Module):
         self.head = nn.Linear(512, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(x).mean(dim=1))
+        logits: torch.Tensor = self.head(self.encoder(x).mean(dim=1))
+        return logits
 
 
 def _resnet50() -> nn.Module:
     import torchvision
 
-    return torchvision.models.resnet50(weights=None, num_classes=10)
+    model: nn.Module = torchvision.models.resnet50(weights=None, num_classes=10)
+    return model
 
 
 def _tiny() -> nn.Module:
@@ -118,7 +121,7 @@ def _step_times(fn: Callable[[], Any], steps: int, device: torch.device) -> list
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return times
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    events = [cuda_event(enable_timing=True) for _ in range(steps + 1)]
     torch.cuda.synchronize()
     events[0].record()
     for event in events[1:]:
@@ -201,7 +204,7 @@ def _cycle(batches: list[tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.
 
 
 def _hand_written(
-    cfg: BenchConfig, device: torch.device, batches: list, *, compile_mode: str | None
+    cfg: BenchConfig, device: torch.device, batches: list[Any], *, compile_mode: str | None
 ) -> Callable[[], Any]:
     """The status quo: a hand-written DDP loop on the default stream, optionally compiled."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -227,7 +230,7 @@ def _hand_written(
 
 
 def _train_step(
-    cfg: BenchConfig, device: torch.device, batches: list, **options: Any
+    cfg: BenchConfig, device: torch.device, batches: list[Any], **options: Any
 ) -> tuple[TrainStep, Callable[[], Any]]:
     torch.manual_seed(0)
     model = cfg.build().to(device)
@@ -251,7 +254,7 @@ def _device_data(cfg: BenchConfig, device: torch.device, k: int) -> DeviceData:
 
 
 def run_mode(
-    mode: str, cfg: BenchConfig, device: torch.device, batches: list, steps: int
+    mode: str, cfg: BenchConfig, device: torch.device, batches: list[Any], steps: int
 ) -> dict[str, Any] | None:
     """One mode of one config; None where the mode does not apply (channels_last off conv nets)."""
     if mode == "train_step_channels_last" and not cfg.conv:
@@ -313,7 +316,7 @@ def environment() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
-        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        info["nccl"] = ".".join(map(str, nccl_version()))
     return info
 
 

@@ -306,7 +306,7 @@ def run_hf(
 
 def _line(entry: dict[str, Any]) -> str:
     if "error" in entry:
-        return entry["error"]
+        return str(entry["error"])
     step = entry["train_step"]
     return (
         f"{step['mode']} {entry['ratio_to_eager']['train_step']:.2f}x eager "

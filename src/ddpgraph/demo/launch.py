@@ -289,7 +289,7 @@ def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
 
 
 def _check_manifest_fits(
-    config: TrainConfig, workers: int, found: Path, manifest: dict
+    config: TrainConfig, workers: int, found: Path, manifest: dict[str, Any]
 ) -> str | None:
     if manifest["step"] >= config.steps:
         return (

@@ -74,7 +74,8 @@ class SmallTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.encoder(self.embed(x) + self.position)
-        return self.head(hidden.mean(dim=1))
+        logits: torch.Tensor = self.head(hidden.mean(dim=1))
+        return logits
 
 
 def _transformer(num_classes: int) -> nn.Module:

@@ -356,7 +356,7 @@ def _dataset(config: TrainConfig, *, split: str) -> TensorDataset:
 
 def _loader(
     data: TensorDataset, config: TrainConfig, rt: ddpgraph.Runtime, *, split: str
-) -> DataLoader:
+) -> DataLoader[Any]:
     sampler: DistributedSampler[Any] = DistributedSampler(
         data,
         num_replicas=rt.world_size,
@@ -388,7 +388,7 @@ def _loader(
     )
 
 
-def _sampler_of(loader: DataLoader) -> Any:
+def _sampler_of(loader: DataLoader[Any]) -> Any:
     """The DistributedSampler (its epoch sets the shuffle), also under a BatchSampler."""
     sampler: Any = loader.sampler
     return sampler.sampler if isinstance(sampler, BatchSampler) else sampler

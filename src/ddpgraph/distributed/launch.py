@@ -113,7 +113,9 @@ def _workers_ignore_sigint() -> Iterator[None]:
     through exec, a handler is not, so SIGINT is ignored only while the workers are spawned (a
     few milliseconds); torch's agent has no hook there, hence the wrapped function.
     """
-    from torch.distributed.elastic.agent.server import local_elastic_agent as agent
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    agent: Any = local_elastic_agent  # start_processes is its import of torch's function
 
     spawn = agent.start_processes
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._typed_torch import cuda_stream, cudnn_version, nccl_version
 from ..distributed.launch import default_nproc, run_local
 from ..distributed.objects import all_gather_object
 from ..distributed.runtime import Runtime, device_identity
@@ -118,7 +119,7 @@ def collect_env(environ: Mapping[str, str] | None = None) -> EnvReport:
 
 def _cudnn_version() -> str | None:
     try:
-        version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        version = cudnn_version()
     except RuntimeError:
         return None
     return str(version) if version is not None else None
@@ -126,7 +127,7 @@ def _cudnn_version() -> str | None:
 
 def _nccl_version() -> str | None:
     try:
-        version = torch.cuda.nccl.version()
+        version = nccl_version()
     except (RuntimeError, AttributeError):
         return None
     return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -201,7 +202,7 @@ def check_captured_all_reduce(rt: Runtime) -> str:
     if rt.device.type != "cuda":
         raise _Skipped("no GPU: CUDA graphs need CUDA")
     static = torch.zeros(1024, device=rt.device)
-    stream = torch.cuda.Stream()
+    stream = cuda_stream(rt.device)
     stream.wait_stream(torch.cuda.current_stream())
     # Warm up on the capture stream: NCCL creates its communicator on first use, which a
     # capture cannot contain.
