@@ -302,7 +302,7 @@ def test_a_damaged_shard_is_one_line_without_torchs_frames():
 
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ddpgraph.checkpoint import _first_cause
+    from ddpgraph.checkpoint.layout import _first_cause
 
     frames = traceback.extract_stack()
     failure = CheckpointException("load", {0: (UnpicklingError("bad\nid"), frames)})
