@@ -1,15 +1,5 @@
-"""Moved to :mod:`ddpgraph.step.optim`; this path works for one more release (0.2)."""
+"""Moved to :mod:`ddpgraph.step.optim` in 0.2; this path imports it, with a warning, until 0.3."""
 
-from __future__ import annotations
+from ._moved import moved
 
-import sys
-import warnings
-
-from .step import optim as _moved
-
-warnings.warn(
-    "ddpgraph.optim moved to ddpgraph.step.optim; import it from there (this path goes in 0.3).",
-    DeprecationWarning,
-    stacklevel=2,
-)
-sys.modules[__name__] = _moved
+moved(__name__, "ddpgraph.step.optim")
