@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ddpgraph._known_errors import KNOWN as TABLE
 from ddpgraph._known_errors import squeezed_regex
 from ddpgraph.cli import cli
+from ddpgraph.errors import KNOWN as TABLE
 from ddpgraph.errors import Explanation, explain, explain_exception, with_explanation
 from ddpgraph.facts import WARMUP_RULE
 

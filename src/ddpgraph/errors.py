@@ -12,7 +12,9 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ._known_errors import KNOWN, Cause
+from ._known_capture import CAPTURE_AND_DDP
+from ._known_errors import Cause, Known
+from ._known_runtime import RUNTIME
 
 __all__ = [
     "CaptureError",
@@ -86,7 +88,9 @@ class CaptureError(RuntimeError):
 
 # --- explain(): known error texts -> causes and fixes -----------------------------------------
 # Kept here (not in doctor/) so that the core can attach explanations to what it raises without
-# importing the CLI side; the table lives in _known_errors.py and needs only ``re``.
+# importing the CLI side; the table's rows live in _known_capture.py and _known_runtime.py (in
+# this order: a specific root cause before the generic failure it leads to) and need only ``re``.
+KNOWN: tuple[Known, ...] = (*CAPTURE_AND_DDP, *RUNTIME)
 
 
 @dataclass(frozen=True)

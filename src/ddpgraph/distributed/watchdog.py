@@ -107,15 +107,12 @@ def active() -> Watchdog | None:
 
 
 class StepCount(Protocol):
-    """Anything with the current step number (a TrainStep's report)."""
-
-    steps: int
+    steps: int  # the current step number (a TrainStep's report has it)
 
 
 def replay_hook(count: StepCount) -> Callable[[torch.cuda.Stream], None]:
-    """A graph owner's replay hook: after each replay, the running watchdog (if any) records an
-    event on the stream and names ``count.steps`` if it never completes. A graph's collectives
-    are invisible to NCCL's own watchdog: this event is what shows a hang inside a replay."""
+    """A replay hook: the running watchdog records an event after each replay and names
+    ``count.steps`` if it never completes (NCCL's own watchdog cannot see inside a graph)."""
 
     def hook(stream: torch.cuda.Stream) -> None:
         watchdog = _ACTIVE.value
