@@ -16,7 +16,7 @@ from ddpgraph.testing import WorkerError, run_distributed
 
 from . import watchdog_workers, workers
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # multi-process: sized for a loaded 2-core machine
 
 
 def test_single_process_without_launcher_has_working_collectives():
@@ -189,7 +189,7 @@ def test_local_rank_beyond_device_count(monkeypatch):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_runtime_on_gloo(world_size):
-    facts = run_distributed(workers.runtime_facts, world_size, timeout=60)
+    facts = run_distributed(workers.runtime_facts, world_size, timeout=180)
     expected_sum = world_size * (world_size + 1) / 2
     for rank, f in enumerate(facts):
         assert f == {
@@ -294,10 +294,12 @@ def test_worker_error_carries_rank_and_traceback():
 def test_a_rank_that_shuts_down_makes_a_peer_stuck_in_a_collective_fail_fast():
     """No barrier in shutdown: it would pair with the peer's pending all_reduce and hang both."""
     rank0, rank1 = run_distributed(
-        workers.skip_a_collective_then_shut_down, 2, init=False, timeout=50
+        workers.skip_a_collective_then_shut_down, 2, init=False, timeout=240
     )
-    assert rank0["error"] and rank0["seconds"] < 20, rank0
-    assert rank1["error"] is None and rank1["seconds"] < 20
+    # fast: well inside the job's own timeout (a hang would last until it), sized for a loaded
+    # machine; the property is "not the timeout", not a speed
+    assert rank0["error"] and rank0["seconds"] < 120, rank0
+    assert rank1["error"] is None and rank1["seconds"] < 120
 
 
 def test_an_adopted_nccl_group_gets_the_same_device_check():
