@@ -198,6 +198,11 @@ class Graphs:
         """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
         self.params = _trainable(self._parameters())
 
+    def watched(self) -> list[nn.Parameter]:
+        """What the replay guard watches: every parameter, frozen ones too (a graph reads them
+        in the forward, and unfreezing one must re-capture as freezing does)."""
+        return list(self._parameters())
+
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
         self._hooks.append(hook)
@@ -234,7 +239,7 @@ class Graphs:
         captured = CapturedGraph(graph, static.tensors, output)
         self._graphs[key] = captured
         if self.guard is None:
-            self.guard = ReplayGuard(self.params, self.plan.optimizer)
+            self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
         return captured
 
     # ------------------------------------------------------------------ replay
@@ -301,8 +306,8 @@ class Graphs:
         return len(keys)
 
     def drop_training(self) -> int:
-        """Drop every training graph ("train" and "micro"): they read what changed."""
-        return self.drop("train") + self.drop("micro")
+        """Drop every training graph (every role but "eval"): they read what changed."""
+        return sum(self.drop(role) for role in ("train", "micro", "sync", "update"))
 
     def close(self) -> None:
         """Free every graph and the pool. The caller makes sure no replay is in flight."""
@@ -325,6 +330,7 @@ class GuardFindings:
     changes: list[str] = field(default_factory=list)
     recapture: bool = False  # the graphs read something that changed: capture them again
     dropped: int = 0  # training graphs dropped for that re-capture
+    trainable_changed: bool = False  # a parameter's requires_grad: the wrapper follows it
 
 
 class ReplayGuard:
@@ -375,6 +381,7 @@ class ReplayGuard:
                 self._raise_for_parameter()
             found.changes.append("a parameter's requires_grad changed")
             found.recapture = True
+            found.trainable_changed = True
         if (
             self.optimizer.state is not self._state
             or self._current_slot_pointers() != self._slot_pointers

@@ -47,8 +47,17 @@ class StepOptions:
     accumulate_calls: int = 1
     steps_per_replay: int = 1
     grad_norm: bool = False
+    defer_update: bool = False
 
     def __post_init__(self) -> None:
+        if self.defer_update not in (True, False):
+            raise ConfigError(f"defer_update={self.defer_update!r} must be True or False.")
+        if self.defer_update and self.steps_per_replay > 1:
+            raise ConfigError(
+                f"defer_update=True leaves each optimizer step to the script's step.update(), "
+                f"but steps_per_replay={self.steps_per_replay} runs whole steps inside one "
+                "replay; use one or the other."
+            )
         if not is_int(self.accumulate_calls) or self.accumulate_calls < 1:
             raise ConfigError(
                 f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."

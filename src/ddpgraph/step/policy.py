@@ -18,9 +18,18 @@ import torch
 from torch import nn
 
 from .._log import get_logger
-from ..errors import CaptureError
+from ..errors import CaptureError, ConfigError
 from ..facts import DEFAULT_WARMUP
-from .batch import Batch, GraphKey, Role, Signature, describe, differences, gathered_batch
+from .batch import (
+    NO_BATCH,
+    Batch,
+    GraphKey,
+    Role,
+    Signature,
+    describe,
+    differences,
+    gathered_batch,
+)
 from .body import StepBody
 from .graphs import (
     CUDA_GRAPHS,
@@ -83,18 +92,139 @@ class CapturePolicy:
         self._reference: Signature | None = None  # the signature on_new_shape compares against
         self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
         self._eval_calls: Counter[GraphKey] = Counter()
+        self._ends_window = False  # this call ends its accumulate_calls window early
+        self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
+        self._eval_syncs_buffers = False  # a step since the last evaluation: broadcast first
+        self.update_due = False  # defer_update: a synced window waits for step.update()
 
     @property
     def parallel(self) -> DataParallel:
         return self.body.parallel
 
     # ----------------------------------------------------------------- a training call
-    def train(self, batch: Batch, steps: int) -> torch.Tensor:
-        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step."""
+    def train(self, batch: Batch, steps: int, *, last: bool = False) -> torch.Tensor:
+        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step; ``last``
+        ends an ``accumulate_calls`` window at this call (sync and update on what it holds)."""
         self.call_steps = steps
+        if self.update_due:
+            raise ConfigError(
+                "step() after a window's last micro-batch without step.update(): with "
+                "TrainStep(defer_update=True) the optimizer steps where the script calls "
+                "step.update() (its optimizer.step() line); call it once per window, after the "
+                "last micro-batch and after setting the LR."
+            )
+        self._ends_window = self._window_end_asked(last)
+        self._follow_trainable()
+        if self.options.accumulate_calls > 1 and self.micro_batches == 0:
+            # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
+            # so that one "micro" graph serves every other position of the window
+            with on_stream(self._stream):
+                self.parallel.sync_buffers()
+        role = self._role()
         loss = self._train(batch, self._modes())
-        self.micro_batches = (self.micro_batches + 1) % self.options.accumulate_calls
+        self.micro_batches = 0 if role in ("train", "sync") else self.micro_batches + 1
+        self.update_due = role == "sync"
+        self._eval_syncs_buffers = role == "train"
         return loss
+
+    # ----------------------------------------------------------------- the script's update
+    def update(self) -> None:
+        """``step.update()`` (``defer_update=True``): the optimizer step on the window the
+        calls since the last update synced, with the param-group values (the LR) the script set
+        since; graphed once the window's training graphs are."""
+        if not self.options.defer_update:
+            raise ConfigError(
+                "step.update() is for TrainStep(defer_update=True), where the script keeps its "
+                "optimizer.step() line as step.update(); without it the call that ends a window "
+                "steps the optimizer itself: remove step.update()."
+            )
+        if not self.update_due:
+            raise ConfigError(
+                f"step.update() with no synced window to apply ({self.micro_batches} of "
+                f"{self.options.accumulate_calls} micro-batches taken): call it after the "
+                "window's last micro-batch (the accumulate_calls-th call, or one with "
+                "last=True), once per window."
+            )
+        self.update_due = False
+        self._eval_syncs_buffers = True
+        key = GraphKey("update", self._modes(), NO_BATCH.signature)
+        if self.phase is Phase.GRAPHED and self._update_graphed(key):
+            return
+        with on_stream(self._stream):
+            if self.graphs is not None:
+                self.graphs.plan.sync_lr()  # the LR the script just set
+            self.body.update()
+        self.grad_norm = self.body.grad_norm
+
+    def _update_graphed(self, key: GraphKey) -> bool:
+        """Replay the update graph, capturing it first once the window's "sync" graph exists
+        (the update reads the gradients that graph writes); False: run it eagerly."""
+        graphs = self._graphs()
+        due = key not in graphs and key not in graphs.uncapturable and graphs.keys_of("sync")
+        if due and self._eager_before_capture == 0:
+            started = time.perf_counter()
+            result = graphs.capture(key, NO_BATCH, lambda _: self._updated())
+            if isinstance(result, CaptureFailure):
+                self.warn_or_raise(f"the optimizer update runs eagerly: {result.reason}")
+                return False
+            self._record_capture(key, started)
+        replayed = graphs.replay(key, NO_BATCH)
+        self._note_changes(replayed)
+        if not replayed.replayed:
+            return False
+        self.grad_norm = replayed.output
+        return True
+
+    def _updated(self) -> torch.Tensor | None:
+        self.body.update()
+        return self.body.grad_norm
+
+    def _window_end_asked(self, last: bool) -> bool:
+        """Whether this call ends its window early: ``last=True``, or the script's own sync
+        control (``require_backward_grad_sync`` / ``no_sync``) read as the window's end.
+
+        Raises where that control contradicts the window (the same on every rank: the script
+        sets it the same everywhere), before anything runs."""
+        asked = self.parallel.script_sync()
+        calls = self.options.accumulate_calls
+        if asked is None or asked:
+            return last or bool(asked and calls > 1)
+        if calls == 1:
+            raise ConfigError(
+                "the script turned the gradient sync off for this call (require_backward_grad_sync"
+                " = False, or no_sync()), but TrainStep(accumulate_calls=1) syncs and steps the "
+                "optimizer on every call, so its accumulation would be ignored; pass "
+                "accumulate_calls=k (k micro-batches per optimizer step, one per call): the "
+                "k-th call, or one whose flag is True, syncs and steps."
+            )
+        if last or self.micro_batches == calls - 1:
+            position = "step(..., last=True)" if last else f"call {calls} of {calls}"
+            raise ConfigError(
+                f"the script turned the gradient sync off (require_backward_grad_sync = False, or "
+                f"no_sync()) on the window's last micro-batch ({position}, accumulate_calls="
+                f"{calls}): TrainStep syncs and steps there; set the flag True on the last "
+                "micro-batch, as DDP scripts do, or change accumulate_calls to the script's "
+                "micro-batches per step."
+            )
+        return False
+
+    def _follow_trainable(self) -> None:
+        """A script that froze or unfroze parameters (``requires_grad``): the wrapper rebuilt
+        over the new set and the training graphs dropped, so the step captures again after the
+        new wrapper's warm-up. Checked by the replay guard while graphed (no cost here), on
+        every call otherwise."""
+        if self.phase is Phase.GRAPHED and not self._trainable_changed:
+            return
+        self._trainable_changed = False
+        if not self.parallel.follow_trainable():
+            return
+        for param in self.parallel.inner.parameters():
+            if not param.requires_grad:
+                param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
+        if self.graphs is not None:
+            self.graphs.drop_training()
+            self.graphs.parameters_changed()
+        get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def _train(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
         if self.phase is Phase.WARMUP and self._warmup_done():
@@ -140,7 +270,9 @@ class CapturePolicy:
         """ "micro" for a call that only accumulates (accumulate_calls), "train" for one that
         steps the optimizer: each has its own graph per input signature and mode."""
         last = self.micro_batches == self.options.accumulate_calls - 1
-        return "train" if last else "micro"
+        if not (last or self._ends_window):
+            return "micro"
+        return "sync" if self.options.defer_update else "train"
 
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
@@ -219,7 +351,7 @@ class CapturePolicy:
         """Capture the step for this key on the device copy of ``batch``."""
         device_batch = self.to_device(batch)
         result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
-        if key.role == "train":
+        if key.role in ("train", "sync"):
             self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
         return result
 
@@ -273,6 +405,9 @@ class CapturePolicy:
 
     def _note_changes(self, replayed: Replayed) -> None:
         news = replayed.findings.changes
+        if replayed.findings.trainable_changed:
+            self._trainable_changed = True
+            self._follow_trainable()
         if replayed.findings.recapture:
             dropped = replayed.findings.dropped
             warn_at_user_line(
@@ -308,7 +443,7 @@ class CapturePolicy:
                     self._sync_hint = syncs.describe()
             else:
                 loss, output = self.body.run(batch, role)
-        if role == "train":
+        if role in ("train", "sync"):
             self.parallel.count_forwards(n)
         self._eager_before_capture = max(0, self._eager_before_capture - n)
         self.output = _detached(output)
@@ -371,6 +506,20 @@ class CapturePolicy:
     def evaluate(self, batch: Batch) -> Any:
         """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature."""
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
+        if self.micro_batches or self.update_due:
+            warn_at_user_line(
+                f"evaluate() inside an open accumulate_calls window ({self.micro_batches} of "
+                f"{self.options.accumulate_calls} micro-batches taken, not yet applied"
+                f"{'; step.update() not called' if self.update_due else ''}): the model "
+                "evaluated is the one before them; end the window first (step(..., last=True) "
+                "where the epoch ends early)."
+            )
+        if self._eval_syncs_buffers:
+            # DDP's eval forward after a training step starts with rank 0's buffers (later ones
+            # do not: its no_grad forward turns that off until the next training forward)
+            self._eval_syncs_buffers = False
+            with on_stream(self._stream):
+                self.parallel.sync_buffers()
         if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):
             self._capture_eval(key, batch)
         if self.graphs is not None and key in self.graphs:

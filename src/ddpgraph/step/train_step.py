@@ -96,10 +96,19 @@ class TrainStep:
         steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
         engine: what makes the graphs: CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()``
             runs the real capture policy on the CPU (tests, dry runs).
+        defer_update: the script keeps its ``optimizer.step()`` line, as :meth:`update`: the
+            window's last call (every call with ``accumulate_calls=1``) runs forward, backward
+            and the gradient sync, and ``step.update()`` clips and steps the optimizer with the
+            param-group values (the LR) the script set in between, as llm.c's loop sets the LR
+            after its micro-steps. A graph of its own; :attr:`grad_norm` is set by it.
 
     With a process group the model is wrapped in DDP (``step.model``), on the capture stream;
-    pass the bare module. With DDP's ``broadcast_buffers`` each step ends by broadcasting rank
-    0's buffers, so :meth:`evaluate` sees on every rank what DDP's own eval forward would.
+    pass the bare module. Buffers follow DDP's semantics: each optimizer step's first forward
+    starts with rank 0's buffers (later micro-batches keep each rank's own), so after every step
+    every rank holds what the plain DDP loop's holds; :meth:`evaluate` broadcasts first, as DDP's
+    eval forward does. A script that freezes or unfreezes parameters (``requires_grad``) gets the
+    DDP rebuilt over the new trainable set (a collective, at the next call) and graphs again
+    after the new DDP's warm-up; no ``find_unused_parameters`` search is needed for it.
     """
 
     def __init__(
@@ -123,10 +132,12 @@ class TrainStep:
         steps_per_replay: int = 1,
         grad_norm: bool = False,
         engine: GraphEngine | None = None,
+        defer_update: bool = False,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
+            defer_update,
         )  # fmt: skip
         check_model(model)
         check_optimizer(optimizer, model)
@@ -213,7 +224,17 @@ class TrainStep:
         self._report.skipped_steps = self._precision.skipped_steps()
         return self._report
 
-    def __call__(self, *args: Any, steps: int | None = None) -> torch.Tensor:
+    def __call__(self, *args: Any, steps: int | None = None, last: bool = False) -> torch.Tensor:
+        """One training step, or with ``accumulate_calls=k`` one micro-batch: the k-th call of a
+        window (or one with ``last=True``) syncs the gradients and steps the optimizer.
+
+        ``last=True`` ends the window early, on the micro-batches taken so far, as accelerate
+        does at the end of its data (each micro-batch's loss still divided by k): pass it for an
+        epoch's last batch when the epoch's length is not a multiple of k. The script's own
+        ``model.require_backward_grad_sync = ...`` (or ``with step.model.no_sync():``) is read
+        the same way: False accumulates, True ends the window; False on a call that must step
+        (``accumulate_calls=1``, or the k-th) raises ``ConfigError`` on every rank.
+        """
         self._check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
             return self._run_data(args[0], steps)
@@ -221,7 +242,17 @@ class TrainStep:
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
-        return self._watched(self._policy.watch_phase(), lambda: self._policy.train(batch, 1))
+        return self._watched(
+            self._policy.watch_phase(), lambda: self._policy.train(batch, 1, last=last)
+        )
+
+    def update(self) -> None:
+        """With ``defer_update=True``: the optimizer step (clip, step, zero the gradients) on the
+        window the calls since the last update synced, in place of the script's
+        ``optimizer.step()``; the param-group values the script set after the last micro-batch
+        (the LR) apply to it. Call on every rank, once per window; graphed like the step."""
+        self._check_open("update()")
+        self._watched(self._policy.watch_phase(), self._policy.update)
 
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
@@ -253,8 +284,10 @@ class TrainStep:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
         ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
 
-        Rank-local (no collective: uneven evaluation sets cannot hang); every rank holds rank
-        0's buffers after each step, so the result is what DDP's own eval forward gives. On CUDA
+        What DDP's own eval forward gives on every rank: the first evaluation after a training
+        step starts, as DDP's does, by sending rank 0's buffers (BatchNorm statistics) to every
+        rank, so that call is a collective: make it on every rank. Later calls until the next
+        training step are rank-local (uneven evaluation sets cannot hang). On CUDA
         it is captured after two eager calls per input signature and replayed; the output is
         then graph-owned like the loss. Every module's own mode is restored when this returns.
         """
@@ -316,6 +349,12 @@ class TrainStep:
     def extra_state(self) -> dict[str, Any]:
         """What the TrainStep holds besides model, optimizer and scheduler (the step count;
         fp16's loss scale): what :func:`ddpgraph.save_checkpoint` saves of it."""
+        if self._policy.update_due:
+            raise ConfigError(
+                "state_dict() after a window's last micro-batch without step.update() "
+                "(defer_update=True): its gradients are not in any state dict; save after "
+                "step.update()."
+            )
         if self._policy.micro_batches:
             raise ConfigError(
                 f"state_dict() after {self._policy.micro_batches} of "

@@ -29,6 +29,12 @@ from .base import DataParallel
 __all__ = ["DDP", "check_not_ddp", "inner_of"]
 
 _NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
+# DDP's switch for its start-of-forward buffer broadcast (renamed from broadcast_buffers in 2.13)
+_FORWARD_BROADCAST = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in DistributedDataParallel.__init__.__code__.co_varnames
+    else "broadcast_buffers"
+)
 
 
 class DDP(DataParallel):
@@ -46,16 +52,24 @@ class DDP(DataParallel):
         if device.type == "cuda":
             kwargs["device_ids"] = [device.index]
         kwargs.update(ddp_kwargs)
-        # built on the capture stream: built on the default stream, its backward cannot be
-        # captured ("operation would make the legacy stream depend on a capturing blocking stream")
-        with on_stream(stream):
-            self.ddp = DistributedDataParallel(module, **kwargs)
-        self.module = self.ddp
+        self._kwargs, self._stream = kwargs, stream
         self.inner = module
         self.device = device
+        self._build()
+
+    def _build(self) -> None:
+        # built on the capture stream: built on the default stream, its backward cannot be
+        # captured ("operation would make the legacy stream depend on a capturing blocking stream")
+        with on_stream(self._stream):
+            self.ddp = DistributedDataParallel(self.inner, **self._kwargs)
+        self.module = self.ddp
         self.sample_rate = _stop_ddp_sampling(self.ddp)
-        # DDP broadcasts rank 0's buffers at each forward; here each step ends with it instead
-        self._sync_buffers = self.ddp.will_sync_module_buffers()
+        self._trainable = _trainable_ids(self.inner)  # what DDP reduces: follow_trainable
+        # DDP's own start-of-forward broadcast is switched off and done by forward_context and
+        # sync_buffers instead: a graph replays whatever its capture recorded, so which forward
+        # broadcasts must be decided by the step (a window's first), not by DDP's host flag
+        self._broadcasts = self.ddp.will_sync_module_buffers()
+        setattr(self.ddp, _FORWARD_BROADCAST, False)
         self._forwards = 0  # DDP forwards that advanced its iteration counter
 
     # ----------------------------------------------------------------- forward and backward
@@ -64,18 +78,36 @@ class DDP(DataParallel):
         with contextlib.ExitStack() as stack:
             if not sync_grads:
                 stack.enter_context(self.ddp.no_sync())
-            if not sync_buffers and self._sync_buffers:
-                self.ddp.broadcast_buffers = False
-                stack.callback(setattr, self.ddp, "broadcast_buffers", True)
+            if sync_buffers:
+                self.sync_buffers()
             yield
 
-    def after_step(self) -> None:
-        """Rank 0's buffers to every rank, moved from DDP's next forward to the end of this
-        step: evaluate() then sees what DDP's own eval forward sees, with no collective of its
-        own."""
-        if self._sync_buffers:
-            with torch.no_grad():
-                self.ddp._sync_module_buffers(authoritative_rank=0)
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
+        which also picks up buffers the module reassigned)."""
+        if self._broadcasts:
+            self.ddp._sync_buffers()
+
+    def follow_trainable(self) -> bool:
+        """DDP reduces the parameters that required gradients when it was built; after a freeze
+        it would wait for gradients that never come (``find_unused_parameters=True`` searches for
+        them on every step, with host work a capture cannot hold), after an unfreeze it would
+        leave the new ones unsynced. So it is built again over the set as it is now (DDP's
+        construction: a collective, which also sends rank 0's parameters and buffers; they are
+        the same on every rank already). DDP's warm-up rule starts again with the new one."""
+        if _trainable_ids(self.inner) == self._trainable:
+            return False
+        old = self.ddp
+        old._remove_autograd_hooks()  # the old reducer must not see the next backward
+        self._build()
+        del old
+        return True
+
+    def script_sync(self) -> bool | None:
+        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it)."""
+        if not self.ddp.require_backward_grad_sync:
+            return False
+        return super().script_sync()
 
     # ----------------------------------------------------------------- capture preconditions
     def count_forwards(self, n: int) -> None:
@@ -128,6 +160,10 @@ def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return DDP_STATS_SAMPLE_RATE
     return _NEVER
+
+
+def _trainable_ids(module: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
 
 
 def inner_of(model: nn.Module) -> nn.Module:
