@@ -301,3 +301,16 @@ def update_misuse(case: str) -> None:
     else:  # "early": mid-window
         step(x, y)
         step.update()
+
+
+UNPINNED = (
+    "capture failed: RuntimeError: Cannot copy between CPU and CUDA tensors during CUDA graph "
+    "capture unless the CPU tensor is pinned"
+)
+
+
+def unused_parameter_failure_explained(find_unused: bool) -> str | None:
+    """How the DDP wrapper explains the capture failure DDP's unused-parameter bookkeeping
+    causes on CUDA (the text torch raises there)."""
+    step = _sgd_step(_bn_model(), ddp_kwargs={"find_unused_parameters": find_unused})
+    return step._body.parallel.explain_capture_failure(UNPINNED)

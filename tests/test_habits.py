@@ -123,3 +123,17 @@ def test_update_out_of_place_raises_on_every_rank(case):
     assert all(isinstance(e, ConfigError) for e in errors), errors
     assert len({str(e) for e in errors}) == 1
     assert "update()" in str(errors[0])
+
+
+def test_a_capture_failed_by_ddps_unused_parameter_search_names_ddp_not_the_script():
+    """airbench94's eager tail was explained as the script building CPU tensors; the cause was
+    DDP(find_unused_parameters=True) with a parameter that got no gradient."""
+    explained, plain = (
+        run_distributed(
+            workers.unused_parameter_failure_explained, world_size=1, args=(flag,), timeout=200
+        )[0]
+        for flag in (True, False)
+    )
+    assert "find_unused_parameters=True found parameters that got no gradient" in explained
+    assert "rebuilding the DDP" in explained
+    assert plain is None  # without the search the text is not DDP's

@@ -98,3 +98,29 @@ def test_script_habit_graphed_equals_eager_bitwise(rt, case):
         assert any(c.kind == "update" for c in report.captures), str(report)
     if habit == "freeze":  # captured again after the rebuilt DDP's warm-up
         assert sum(c.at_step > 24 for c in report.captures) >= 1, str(report)
+
+
+class _Unused(nn.Module):
+    """A model whose second layer no forward uses (kept on purpose, e.g. a head for later)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.unused = nn.Linear(64, 10), nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_capture_failing_in_ddps_unused_parameter_search_names_ddp(rt):
+    torch.manual_seed(0)
+    model = _Unused().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), ddp_kwargs={"find_unused_parameters": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in _batches("mlp", 16):
+            step(x, y)
+    fallbacks = " ".join(step.report().fallbacks)
+    if step.report().replays:  # this torch captures DDP's search: nothing to explain
+        pytest.skip("DDP's unused-parameter search was captured on this torch")
+    assert "find_unused_parameters=True found parameters that got no gradient" in fallbacks

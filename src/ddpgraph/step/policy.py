@@ -376,6 +376,9 @@ class CapturePolicy:
         )
 
     def _explain_failure(self, reason: str) -> str:
+        wrapper = self.parallel.explain_capture_failure(reason)
+        if wrapper is not None:
+            return f"{reason}\ncause: {wrapper}"
         if self._sync_hint is None:
             return reason
         return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"

@@ -93,6 +93,11 @@ class DataParallel:
         return ok, dirty
 
     # ----------------------------------------------------------------- failed captures
+    def explain_capture_failure(self, reason: str) -> str | None:
+        """The wrapper's own part in a failed capture, when the failure text shows it (named
+        instead of a host sync seen in warm-up, which would blame the script); else None."""
+        return None
+
     def dirty(self) -> bool:
         """Whether a failed capture left the wrapper mid-iteration."""
         return False

@@ -29,6 +29,7 @@ from .base import DataParallel
 __all__ = ["DDP", "check_not_ddp", "inner_of"]
 
 _NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
+_UNPINNED_COPY = "during CUDA graph capture unless the CPU tensor is pinned"
 # DDP's switch for its start-of-forward buffer broadcast (renamed from broadcast_buffers in 2.13)
 _FORWARD_BROADCAST = (
     "forward_sync_buffers"
@@ -124,6 +125,21 @@ class DDP(DataParallel):
         return bool(every_ok), not none_dirty
 
     # ----------------------------------------------------------------- failed captures
+    def explain_capture_failure(self, reason: str) -> str | None:
+        """With ``find_unused_parameters=True`` a step in which some parameter gets no gradient
+        makes DDP's reducer copy its pageable CPU bitmap of used parameters to the device (the
+        "unless the CPU tensor is pinned" error): DDP's bookkeeping, not the script's tensors."""
+        if not self.ddp.find_unused_parameters or _UNPINNED_COPY not in reason:
+            return None
+        return (
+            "DistributedDataParallel(find_unused_parameters=True) found parameters that got no "
+            "gradient in this step, and its bookkeeping of them copies a CPU bitmap to the "
+            "device, which a CUDA graph cannot hold. Parameters the script froze "
+            "(requires_grad=False) are taken out by rebuilding the DDP, which TrainStep does at "
+            "the next call; parameters a forward leaves unused on purpose keep the step eager: "
+            "use them in every step (e.g. multiply their output by 0) to graph it."
+        )
+
     def dirty(self) -> bool:
         """Whether DDP's reducer was left mid-iteration (a capture failed inside backward)."""
         try:
