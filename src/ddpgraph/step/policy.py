@@ -124,7 +124,7 @@ class CapturePolicy:
         loss = self._train(batch, self._modes())
         self.micro_batches = 0 if role in ("train", "sync") else self.micro_batches + 1
         self.update_due = role == "sync"
-        self._eval_syncs_buffers = role == "train"
+        self._eval_syncs_buffers = role in ("train", "sync")
         return loss
 
     # ----------------------------------------------------------------- the script's update
@@ -400,6 +400,7 @@ class CapturePolicy:
         it has none, or when what the script changed asks for a re-capture."""
         replayed = self._graphs().replay(key, batch)
         self._note_changes(replayed)
+        self._follow_trainable()
         if not replayed.replayed:
             return None
         loss, self.output, self.grad_norm = replayed.output
@@ -409,8 +410,9 @@ class CapturePolicy:
     def _note_changes(self, replayed: Replayed) -> None:
         news = replayed.findings.changes
         if replayed.findings.trainable_changed:
+            # followed by the next training call (or this one, in _replay): never inside an
+            # evaluation, which may be rank-local while rebuilding the wrapper is a collective
             self._trainable_changed = True
-            self._follow_trainable()
         if replayed.findings.recapture:
             dropped = replayed.findings.dropped
             warn_at_user_line(
