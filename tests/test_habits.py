@@ -4,6 +4,8 @@ script runs, on 2 gloo ranks, bitwise, with the graphed policy on the CPU stand-
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -137,3 +139,42 @@ def test_a_capture_failed_by_ddps_unused_parameter_search_names_ddp_not_the_scri
     assert "find_unused_parameters=True found parameters that got no gradient" in explained
     assert "rebuilding the DDP" in explained
     assert plain is None  # without the search the text is not DDP's
+
+
+def _accumulating_step(calls: int = 3):
+    from torch import nn
+
+    from ddpgraph import TrainStep
+    from ddpgraph.testing import CpuGraphs
+
+    from .step_workers import make_model
+
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return TrainStep(model, opt, nn.CrossEntropyLoss(), accumulate_calls=calls, engine=CpuGraphs())
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_a_device_data_epoch_ending_inside_a_window_warns_unless_last_ends_it(last):
+    from ddpgraph import DeviceData
+
+    step = _accumulating_step()
+    data = DeviceData(torch.randn(40, 8), torch.randint(4, (40,)), batch_size=4)  # 10 batches
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for i, (x, y) in enumerate(data):
+                step(x, y, last=last and i == len(data) - 1)
+    open_window = [w for w in caught if "epoch ended with an accumulate_calls window" in str(w)]
+    assert len(open_window) == (0 if last else 2), [str(w.message) for w in caught]
+    if not last:
+        assert "1 of 3 micro-batches" in str(open_window[0].message)
+        assert "last=True" in str(open_window[0].message)
+
+
+def test_evaluate_inside_an_open_window_warns():
+    step = _accumulating_step()
+    x, y = torch.randn(4, 8), torch.randint(4, (4,))
+    step(x, y)
+    with pytest.warns(UserWarning, match=r"evaluate\(\) inside an open accumulate_calls window"):
+        step.evaluate(x)

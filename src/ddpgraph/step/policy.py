@@ -96,6 +96,7 @@ class CapturePolicy:
         self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
         self._eval_syncs_buffers = False  # a step since the last evaluation: broadcast first
         self.update_due = False  # defer_update: a synced window waits for step.update()
+        self._last_input: int | None = None  # id of the latest batch's first tensor
 
     @property
     def parallel(self) -> DataParallel:
@@ -114,6 +115,7 @@ class CapturePolicy:
                 "last micro-batch and after setting the LR."
             )
         self._ends_window = self._window_end_asked(last)
+        self._last_input = id(batch.tensors[0]) if batch.tensors else None
         self._follow_trainable()
         if self.options.accumulate_calls > 1 and self.micro_batches == 0:
             # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
@@ -126,6 +128,24 @@ class CapturePolicy:
         self.update_due = role == "sync"
         self._eval_syncs_buffers = role in ("train", "sync")
         return loss
+
+    def warn_open_window(self, data: Any) -> None:
+        """At the end of an epoch of the DeviceData whose batches this step took: a window
+        still open carries its micro-batches into the next epoch's first step (accelerate
+        steps on them instead)."""
+        last = getattr(data, "last_batch", None)
+        if not (self.micro_batches or self.update_due) or not last:
+            return
+        if id(last[0]) != self._last_input:
+            return  # another DeviceData's epoch, or another step's
+        calls = self.options.accumulate_calls
+        warn_at_user_line(
+            f"a DeviceData epoch ended with an accumulate_calls window open ({self.micro_batches}"
+            f" of {calls} micro-batches taken): they count towards the next epoch's first step. "
+            "To step on them at the epoch's end, as accelerate does, pass last=True with the "
+            "epoch's last batch: for i, (x, y) in enumerate(data): step(x, y, "
+            "last=i == len(data) - 1)."
+        )
 
     # ----------------------------------------------------------------- the script's update
     def update(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.device_data import DeviceData
+from ..data.device_data import DeviceData, on_epoch_end
 from ..dist import watchdog
 from ..errors import CaptureError, ConfigError
 from .batch import make_batch
@@ -175,6 +175,7 @@ class TrainStep:
             report=self._report,
         )
         self._module = model
+        on_epoch_end(self._policy.warn_open_window)
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
         self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, steps_per_replay, device)
         self._body.feed = self._feed
