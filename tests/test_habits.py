@@ -136,7 +136,7 @@ def test_a_capture_failed_by_ddps_unused_parameter_search_names_ddp_not_the_scri
         )[0]
         for flag in (True, False)
     )
-    assert "find_unused_parameters=True found parameters that got no gradient" in explained
+    assert "find_unused_parameters=True) found parameters that got no gradient" in explained
     assert "rebuilding the DDP" in explained
     assert plain is None  # without the search the text is not DDP's
 

@@ -123,4 +123,4 @@ def test_a_capture_failing_in_ddps_unused_parameter_search_names_ddp(rt):
     fallbacks = " ".join(step.report().fallbacks)
     if step.report().replays:  # this torch captures DDP's search: nothing to explain
         pytest.skip("DDP's unused-parameter search was captured on this torch")
-    assert "find_unused_parameters=True found parameters that got no gradient" in fallbacks
+    assert "find_unused_parameters=True) found parameters that got no gradient" in fallbacks
