@@ -16,7 +16,7 @@ from ddpgraph.testing import run_distributed
 from . import step_workers
 from .step_workers import batches, make_model
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)  # 2-rank tests on a loaded 2-core machine
 
 
 class NanoGPTLike(nn.Module):
@@ -161,14 +161,12 @@ def test_evaluate_gives_every_rank_what_ddps_own_eval_forward_gives():
 
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_batchnorm_training_on_two_ranks_matches_the_plain_ddp_loop(accumulate):
-    """Each step ends with the buffer broadcast DDP's next forward would do (which is then
-    skipped): parameters stay those of the plain DDP loop on every rank, and every rank ends
-    with rank 0's running statistics (the plain loop's rank 1 gets them at its next forward)."""
+    """Each step starts with the buffer broadcast DDP's forward does, so every rank's state,
+    running statistics included, is the plain DDP loop's (this test asserted rank 0's
+    statistics on every rank while TrainStep broadcast at the end of each step instead)."""
     results = run_distributed(
-        step_workers.batchnorm_vs_eager_ddp, world_size=2, args=(5, accumulate), timeout=90
+        step_workers.batchnorm_vs_eager_ddp, world_size=2, args=(5, accumulate), timeout=200
     )
-    rank0 = results[0]["theirs"]
     for result in results:
         for name, value in result["theirs"].items():
-            expected = rank0[name] if "running" in name or "batches" in name else value
-            assert torch.equal(result["ours"][name], expected), name
+            assert torch.equal(result["ours"][name], value), name

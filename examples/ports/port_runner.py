@@ -64,6 +64,38 @@ def _nanogpt_data(workdir: Path) -> None:
         pickle.dump({"vocab_size": 64}, f)
 
 
+def _llmc_data(workdir: Path) -> None:
+    """One shard in llm.c's layout (``dev/data/*``: a header of 256 int32, magic 20240520,
+    version 1, the token count; then the tokens as uint16): a random walk over 64 tokens."""
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    tokens = (np.cumsum(rng.integers(-2, 3, size=100_000)) % 64).astype(np.uint16)
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = (20240520, 1, len(tokens))
+    with open(data / "tiny_train.bin", "wb") as f:
+        f.write(header.tobytes())
+        f.write(tokens.tobytes())
+
+
+LLMC_COMMON = (
+    "--input_bin=data/tiny_train.bin", "--overfit_single_batch=0", "--write_tensors=0",
+    "--learning_rate=0.001", "--warmup_iters=3", "--learning_rate_decay_frac=0.1",
+    "--weight_decay=0.1", "--grad_clip=1.0", "--val_loss_every=0", "--sample_every=0",
+)  # fmt: skip
+
+# 2 ranks x batch 2 x 16 tokens = 64 tokens per micro-step: 2 micro-steps per step, each with
+# require_backward_grad_sync, the LR set after them, the norm printed
+LLMC_CPU = (
+    *LLMC_COMMON, "--device=cpu", "--dtype=float32", "--model=d2", "--batch_size=2",
+    "--sequence_length=16", "--total_batch_size=128", "--num_iterations=12",
+)  # fmt: skip
+# GPT-2 124M's shape (d12) from scratch, bf16, 2 micro-steps per step on one GPU
+LLMC_GPU = (
+    *LLMC_COMMON, "--dtype=bfloat16", "--model=d12", "--batch_size=8", "--sequence_length=256",
+    "--total_batch_size=4096", "--num_iterations=80",
+)  # fmt: skip
+
 NANOGPT_COMMON = (
     "--dataset=tiny", "--eval_interval=100000", "--eval_iters=2", "--log_interval=1",
     "--always_save_checkpoint=False", "--out_dir=out",
@@ -115,6 +147,13 @@ PORTS_BY_NAME: dict[str, Port] = {
                 "--min_lr=0.0001",
             ),
             prepare=_nanogpt_data,
+        ),
+        Port(
+            "llmc",
+            "train_gpt2.py",
+            cpu_args=LLMC_CPU,
+            gpu_args=LLMC_GPU,
+            prepare=_llmc_data,
         ),
         Port(
             "ddp_tutorial",
@@ -222,6 +261,8 @@ def environment(port: Port, losses: Path, extra: dict[str, str] | None = None) -
     paths = [str(PORTS / port.name / "original"), str(PORTS), env.get("PYTHONPATH", "")]
     if port.name == "imagenet" and not has_torchvision():
         paths.insert(0, str(PORTS / "imagenet" / "standin"))
+    if port.name == "llmc" and importlib.util.find_spec("tiktoken") is None:
+        paths.insert(0, str(PORTS / "llmc" / "standin"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PORTS_LOSSES"] = str(losses)
     env.setdefault("OMP_NUM_THREADS", "1")

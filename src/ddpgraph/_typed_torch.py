@@ -23,6 +23,7 @@ __all__ = [
     "cuda_stream",
     "cudnn_version",
     "dcp_load",
+    "ddp_remove_autograd_hooks",
     "ddp_set_logging_sample_rate",
     "ddp_sync_buffers",
     "ddp_will_sync_buffers",
@@ -56,8 +57,10 @@ def ddp_will_sync_buffers(ddp: DistributedDataParallel) -> bool:
     return bool(ddp.will_sync_module_buffers())  # type: ignore[no-untyped-call]
 
 
-def ddp_sync_buffers(ddp: DistributedDataParallel, *, authoritative_rank: int) -> None:
-    ddp._sync_module_buffers(authoritative_rank=authoritative_rank)  # type: ignore[no-untyped-call]
+def ddp_sync_buffers(ddp: DistributedDataParallel) -> None:
+    """Rank 0's buffers to every rank, as DDP's forward does first (its ``_sync_buffers`` also
+    picks up buffers the module reassigned)."""
+    ddp._sync_buffers()  # type: ignore[no-untyped-call]
 
 
 def ddp_set_logging_sample_rate(ddp: DistributedDataParallel, rate: int) -> None:
@@ -88,6 +91,11 @@ def torchrun(args: Any) -> None:
 def child_failure_message(exc: Any) -> str:
     """torchelastic's ChildFailedError text: the ranks that failed, with their exit codes."""
     return str(exc.format_msg())
+
+
+def ddp_remove_autograd_hooks(ddp: DistributedDataParallel) -> None:
+    """Detach a DDP's reducer from the parameters (before building another DDP over them)."""
+    ddp._remove_autograd_hooks()  # type: ignore[no-untyped-call]
 
 
 def filesystem_reader(path: Any) -> FileSystemReader:

@@ -16,7 +16,8 @@ shuffle=shuffle, seed=seed, drop_last=True), batch_size, drop_last=True)`` with
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,9 +28,28 @@ from .._checks import check_int
 from ..errors import ConfigError
 from .prefetch import upload_into
 
-__all__ = ["DeviceData", "fits_on_device"]
+__all__ = ["DeviceData", "fits_on_device", "on_epoch_end"]
 
 _TOKENS = itertools.count()
+# called when a loop's iteration over a DeviceData ends an epoch (TrainStep registers one that
+# warns about an accumulation window left open); weak, so a hook never keeps its owner alive
+_EPOCH_END_HOOKS: list[weakref.WeakMethod[Callable[[DeviceData], None]]] = []
+
+
+def on_epoch_end(hook: Callable[[DeviceData], None]) -> None:
+    """Call the bound method ``hook(data)`` whenever ``for batch in data`` finishes an epoch of a
+    DeviceData (``data.last_batch`` is the epoch's last; held weakly: it goes with its object)."""
+    _EPOCH_END_HOOKS.append(weakref.WeakMethod(hook))
+
+
+def _epoch_ended(data: DeviceData) -> None:
+    alive = [ref for ref in _EPOCH_END_HOOKS if ref() is not None]
+    _EPOCH_END_HOOKS[:] = alive
+    for ref in alive:
+        hook = ref()
+        if hook is not None:
+            hook(data)
+
 
 # The share of the device's free memory a data set may take before ``fits_on_device`` says no:
 # the model, its gradients, optimizer state and activations need the rest.
@@ -108,6 +128,7 @@ class DeviceData:
         )
         self.epoch = 0
         self.position = 0  # batches of `epoch` consumed
+        self.last_batch: tuple[torch.Tensor, ...] | None = None  # yielded last by iteration
         # two epochs' orders, so that K steps of one replay may run past an epoch's end
         self._order = torch.empty(
             (2 * self.batches_per_epoch, batch_size), dtype=torch.long, device=self.device
@@ -197,7 +218,9 @@ class DeviceData:
         while self.epoch == epoch:
             batch = self.next_batch()
             self.advance(1)
+            self.last_batch = batch
             yield dict(zip(self.names, batch)) if self.kind == "mapping" else batch
+        _epoch_ended(self)  # runs once the loop asks past the last batch: after its last step
 
     # ------------------------------------------------------------- resuming
     def state_dict(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 __all__ = [
+    "NO_BATCH",
     "Batch",
     "GraphKey",
     "Leaf",
@@ -30,7 +31,9 @@ __all__ = [
 ]
 
 Kind = Literal["args", "mapping", "data"]
-Role = Literal["train", "micro", "eval"]
+# "sync": a window's last micro-batch with the gradient sync, "update": the optimizer step alone
+# (TrainStep(defer_update=True): the script's own optimizer.step() line, as step.update())
+Role = Literal["train", "micro", "sync", "update", "eval"]
 
 
 class Leaf(NamedTuple):
@@ -120,6 +123,9 @@ def _moved(tensor: torch.Tensor, device: torch.device, channels_last: bool) -> t
     if channels_last and tensor.dim() == 4:
         tensor = tensor.contiguous(memory_format=torch.channels_last)
     return tensor
+
+
+NO_BATCH = Batch("args", (), ())  # what the update graph reads: nothing but the gradients
 
 
 def data_batch(data: Any, steps: int) -> Batch:

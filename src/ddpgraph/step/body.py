@@ -30,7 +30,8 @@ class StepBody:
 
     ``accumulate`` splits one batch into k micro-batches; ``accumulate_calls`` makes a "micro"
     call run forward and backward without the gradient sync and the "train" call sync, clip,
-    step and zero the gradients for the next window.
+    step and zero the gradients for the next window. With ``defer_update`` the window's last
+    call is a "sync" (forward, backward, gradient sync) and :meth:`update` runs on its own.
     """
 
     def __init__(
@@ -74,11 +75,12 @@ class StepBody:
         output: Any = None
         micros = batch.split(self.accumulate)
         for i, micro in enumerate(micros):
-            sync = role == "train" and i == len(micros) - 1
-            # the previous step ended with the buffer sync (the wrapper's set-up synced the
-            # first): a broadcast at this forward would send the same values again
-            fresh = i == 0 and calls == 1
-            with self.parallel.forward_context(sync_grads=sync, sync_buffers=not fresh):
+            sync = role in ("train", "sync") and i == len(micros) - 1
+            # DDP's semantics: rank 0's buffers at the start of a window's first forward only
+            # (later ones run under no_sync, which keeps each rank's own); a window of
+            # accumulate_calls starts with the policy's sync_buffers, outside any graph
+            first = i == 0 and calls == 1
+            with self.parallel.forward_context(sync_grads=sync, sync_buffers=first):
                 with self.precision.autocast():
                     loss, output = self._loss(micro)
                 _check_scalar_loss(loss)
@@ -86,14 +88,19 @@ class StepBody:
             part = loss.detach().float() / self.accumulate
             total = part if total is None else total + part
         assert total is not None
-        if role == "micro":
-            self.grad_norm = None
-            return total, output
+        self.grad_norm = None
+        if role == "train":
+            self.update()
+        return total, output
+
+    def update(self) -> None:
+        """The update on the gradients a window accumulated: clip or measure, the optimizer
+        step (fp16: unscaled, skipped on inf/NaN), and zero gradients for the next window. Part
+        of the "train" run, or on its own (role "update": the script's ``step.update()``)."""
         self.grad_norm = self.precision.update(self.optimizer, self._norm_step())
         self.parallel.after_step()
-        if calls > 1:
+        if self.accumulate_calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
-        return total, output
 
     def _steps_from(self, batch: Batch) -> tuple[torch.Tensor, Any]:
         """``batch.steps`` whole training steps, each on the next batch gathered from the
@@ -146,7 +153,8 @@ class StepBody:
 
     def forward_eval(self, batch: Batch) -> Any:
         # the module inside the wrapper: evaluation needs no gradient sync, and DDP's forward
-        # would count an iteration and broadcast buffers (done at the end of each step instead)
+        # would count an iteration; its buffer broadcast is the policy's sync_buffers, run before
+        # the first evaluation after a training step (as DDP's eval forward sends them then)
         with torch.no_grad(), self.precision.autocast():
             return self.forward(self.parallel.inner, batch, target=False)
 

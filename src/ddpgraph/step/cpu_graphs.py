@@ -87,7 +87,7 @@ class FakeGraphs(Graphs):
         self._bodies[key] = body
         self.captured_keys.append(key)
         if self.guard is None:
-            self.guard = ReplayGuard(self.params, self.plan.optimizer)
+            self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:

@@ -4,7 +4,7 @@
 tensors (through the graph-safe plan), the replay guard and the hooks run after a replay (the
 watchdog registers one). The policy keeps the rest: when to capture, what to do when a capture
 fails, which key a batch has. The engine that makes a TrainStep's Graphs is passed in:
-:data:`CUDA_GRAPHS` on CUDA, or the CPU stand-in (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`)
+:data:`ddpgraph.step.engine.CUDA_GRAPHS` on CUDA, or the CPU stand-in (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`)
 that drives the real policy in CI.
 
 Training and evaluation graphs share the pool (as Megatron does): the step never runs two of them
@@ -21,7 +21,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,17 +35,13 @@ from .optim import (
     GraphSafeOptimizer,
     hyperparameters,
     make_graph_safe,
-    plan_graph_safety,
     restore_identities,
     tensor_slots,
 )
 
 __all__ = [
-    "CUDA_GRAPHS",
     "CaptureFailure",
     "CapturedGraph",
-    "CudaGraphEngine",
-    "GraphEngine",
     "Graphs",
     "GuardFindings",
     "ReplayGuard",
@@ -57,38 +53,6 @@ __all__ = [
 ReplayHook = Callable[[torch.cuda.Stream], None]
 Parameters = Callable[[], Iterable[nn.Parameter]]
 
-
-class GraphEngine(Protocol):
-    """Makes the :class:`Graphs` of one TrainStep, or says why its optimizer cannot be graphed."""
-
-    def build(
-        self,
-        parameters: Parameters,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        fp16: bool,
-    ) -> Graphs | str: ...
-
-
-class CudaGraphEngine:
-    """Real CUDA graphs on the device's capture stream; the optimizer made graph-safe first."""
-
-    def build(
-        self,
-        parameters: Parameters,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        fp16: bool,
-    ) -> Graphs | str:
-        plan = plan_graph_safety(optimizer, device, fp16=fp16)
-        if isinstance(plan, str):
-            return plan
-        return Graphs(capture_stream(device), parameters, plan)
-
-
-CUDA_GRAPHS = CudaGraphEngine()
 
 _CAPTURE_STREAMS: Global[dict[int, torch.cuda.Stream]] = process_global(
     "graphs.capture_streams", dict, reset_at_shutdown=False
@@ -207,6 +171,11 @@ class Graphs:
         """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
         self.params = _trainable(self._parameters())
 
+    def watched(self) -> list[nn.Parameter]:
+        """What the replay guard watches: every parameter, frozen ones too (a graph reads them
+        in the forward, and unfreezing one must re-capture as freezing does)."""
+        return list(self._parameters())
+
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
         self._hooks.append(hook)
@@ -243,7 +212,7 @@ class Graphs:
         captured = CapturedGraph(graph, static.tensors, output)
         self._graphs[key] = captured
         if self.guard is None:
-            self.guard = ReplayGuard(self.params, self.plan.optimizer)
+            self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
         return captured
 
     # ------------------------------------------------------------------ replay
@@ -310,8 +279,8 @@ class Graphs:
         return len(keys)
 
     def drop_training(self) -> int:
-        """Drop every training graph ("train" and "micro"): they read what changed."""
-        return self.drop("train") + self.drop("micro")
+        """Drop every training graph (every role but "eval"): they read what changed."""
+        return sum(self.drop(role) for role in ("train", "micro", "sync", "update"))
 
     def close(self) -> None:
         """Free every graph and the pool. The caller makes sure no replay is in flight."""
@@ -334,6 +303,7 @@ class GuardFindings:
     changes: list[str] = field(default_factory=list)
     recapture: bool = False  # the graphs read something that changed: capture them again
     dropped: int = 0  # training graphs dropped for that re-capture
+    trainable_changed: bool = False  # a parameter's requires_grad: the wrapper follows it
 
 
 class ReplayGuard:
@@ -384,6 +354,7 @@ class ReplayGuard:
                 self._raise_for_parameter()
             found.changes.append("a parameter's requires_grad changed")
             found.recapture = True
+            found.trainable_changed = True
         if (
             self.optimizer.state is not self._state
             or self._current_slot_pointers() != self._slot_pointers

@@ -21,6 +21,7 @@ __all__ = [
     "GraphMode",
     "NewShapePolicy",
     "StepOptions",
+    "check_arguments",
     "check_loss_fn",
     "check_model",
     "check_optimizer",
@@ -57,6 +58,11 @@ class StepOptions:
         compile: True or ``torch.compile`` arguments: Inductor kernels inside the one graph.
         channels_last: the model and 4-d batch tensors in channels_last.
         steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
+        defer_update: the script keeps its ``optimizer.step()`` line, as ``step.update()``: the
+            window's last call (every call with ``accumulate_calls=1``) runs forward, backward
+            and the gradient sync, and ``step.update()`` clips and steps the optimizer with the
+            param-group values (the LR) the script set in between, as llm.c's loop sets the LR
+            after its micro-steps. A graph of its own; ``TrainStep.grad_norm`` is set by it.
     """
 
     graph: GraphMode = "auto"
@@ -71,8 +77,17 @@ class StepOptions:
     accumulate_calls: int = 1
     steps_per_replay: int = 1
     grad_norm: bool = False
+    defer_update: bool = False
 
     def __post_init__(self) -> None:
+        if self.defer_update not in (True, False):
+            raise ConfigError(f"defer_update={self.defer_update!r} must be True or False.")
+        if self.defer_update and self.steps_per_replay > 1:
+            raise ConfigError(
+                f"defer_update=True leaves each optimizer step to the script's step.update(), "
+                f"but steps_per_replay={self.steps_per_replay} runs whole steps inside one "
+                "replay; use one or the other."
+            )
         if not is_int(self.accumulate_calls) or self.accumulate_calls < 1:
             raise ConfigError(
                 f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."
@@ -162,6 +177,14 @@ def model_device(model: nn.Module) -> torch.device:
             "call ddpgraph.init() first and move the model with model.to(runtime.device)."
         )
     return device
+
+
+def check_arguments(model: object, optimizer: object, loss_fn: object) -> None:
+    """TrainStep's positional arguments: a bare module, an optimizer over it, a callable."""
+    check_model(model)
+    assert isinstance(model, nn.Module)
+    check_optimizer(optimizer, model)
+    check_loss_fn(loss_fn)
 
 
 def check_loss_fn(loss_fn: object) -> None:

@@ -5,6 +5,13 @@ Phases (one explicit state, :class:`~ddpgraph.step.report.Phase`): ``WARMUP`` ru
 and agrees that all succeeded, and ``GRAPHED`` replays, capturing one more graph per new input
 signature (``on_new_shape="capture"``) or module mode; ``EAGER`` for the reason in the report.
 Each graph is kept under a typed :class:`~ddpgraph.step.batch.GraphKey`.
+
+A capture that fails falls back to ``EAGER`` on every rank (the reason in
+``report().fallbacks``), naming a host sync seen in the last warm-up step as the likely cause.
+Before each replay the graphs' guard finds what a script changed: ``optimizer.load_state_dict``
+(copied into the tensors the graph reads), a param-group value or ``requires_grad`` (the
+training graphs are captured again, with a warning; a freeze or unfreeze also rebuilds the
+data-parallel wrapper over the new trainable set); a replaced parameter raises ``CaptureError``.
 """
 
 from __future__ import annotations
@@ -20,27 +27,33 @@ from torch import nn
 
 from .._log import get_logger
 from ..distributed import watchdog
-from ..errors import CaptureError, ConfigError
+from ..errors import CaptureError
 from ..facts import DEFAULT_WARMUP
-from .batch import Batch, GraphKey, Role, Signature, describe, differences, gathered_batch
+from .batch import (
+    NO_BATCH,
+    Batch,
+    GraphKey,
+    Role,
+    Signature,
+    describe,
+    differences,
+    gathered_batch,
+)
 from .body import StepBody
 from .graphs import (
-    CUDA_GRAPHS,
     CapturedGraph,
     CaptureFailure,
-    GraphEngine,
     Graphs,
-    Parameters,
     Replayed,
     on_stream,
 )
-from .optim import graph_safety_problem
 from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
 from .report import CaptureRecord, Phase, StepReport, mode_words
 from .syncs import record_host_syncs
+from .window import Window
 
-__all__ = ["CapturePolicy", "build_graphs"]
+__all__ = ["CapturePolicy"]
 
 _EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
 
@@ -77,7 +90,7 @@ class CapturePolicy:
         self.output: Any = None
         self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
         self.call_steps = 1  # training steps in the current call (step(data): up to K)
-        self.micro_batches = 0  # accumulate_calls: micro-batches taken since the last update
+        self.window = Window(options)  # accumulate_calls: where this call is in its window
         self._compile_pending = bool(options.compile)  # compiled, not yet past its first forward
         self._start = time.perf_counter()
         self._eager_before_capture = 0  # eager steps the wrapper needs before the next capture
@@ -85,20 +98,96 @@ class CapturePolicy:
         self._reference: Signature | None = None  # the signature on_new_shape compares against
         self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
         self._eval_calls: Counter[GraphKey] = Counter()
+        self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
+        self._eval_syncs_buffers = False  # a step since the last evaluation: broadcast first
 
     @property
     def parallel(self) -> DataParallel:
         return self.body.parallel
 
     # ----------------------------------------------------------------- a training call
-    def train(self, batch: Batch, steps: int) -> torch.Tensor:
-        """One call: ``steps`` training steps (``step(data)``) or one (micro-)step, watched."""
+    def train(self, batch: Batch, steps: int, *, last: bool = False) -> torch.Tensor:
+        """One call, watched: ``steps`` training steps (``step(data)``) or one (micro-)step;
+        ``last`` ends an ``accumulate_calls`` window at this call (sync and update on what it
+        holds)."""
         self.call_steps = steps
         loss: torch.Tensor = self._watched(
-            self.watch_phase(), lambda: self._train(batch, self._modes())
+            self.watch_phase(), lambda: self._train_call(batch, last)
         )
-        self.micro_batches = (self.micro_batches + 1) % self.options.accumulate_calls
         return loss
+
+    def _train_call(self, batch: Batch, last: bool) -> torch.Tensor:
+        starts = self.window.begin(batch, last, self.parallel.script_sync())
+        self._follow_trainable()
+        if starts:
+            # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
+            # so that one "micro" graph serves every other position of the window
+            with on_stream(self._stream):
+                self.parallel.sync_buffers()
+        role = self.window.role()
+        loss = self._train(batch, self._modes())
+        self.window.end(role)
+        self._eval_syncs_buffers = role in ("train", "sync")
+        return loss
+
+    def update(self) -> None:
+        """``step.update()`` (``defer_update=True``), watched: the optimizer step on the window
+        the calls since the last update synced, with the param-group values (the LR) the script
+        set since; graphed once the window's training graphs are."""
+        self._watched(self.watch_phase(), self._update)
+
+    def _update(self) -> None:
+        self.window.take_update()
+        self._eval_syncs_buffers = True
+        key = GraphKey("update", self._modes(), NO_BATCH.signature)
+        if self.phase is Phase.GRAPHED and self._update_graphed(key):
+            return
+        with on_stream(self._stream):
+            if self.graphs is not None:
+                self.graphs.plan.sync_lr()  # the LR the script just set
+            self.body.update()
+        self.grad_norm = self.body.grad_norm
+
+    def _update_graphed(self, key: GraphKey) -> bool:
+        """Replay the update graph, capturing it first once the window's "sync" graph exists
+        (the update reads the gradients that graph writes); False: run it eagerly."""
+        graphs = self._graphs()
+        due = key not in graphs and key not in graphs.uncapturable and graphs.keys_of("sync")
+        if due and self._eager_before_capture == 0:
+            started = time.perf_counter()
+            result = graphs.capture(key, NO_BATCH, lambda _: self._updated())
+            if isinstance(result, CaptureFailure):
+                self.warn_or_raise(f"the optimizer update runs eagerly: {result.reason}")
+                return False
+            self._record_capture(key, started)
+        replayed = graphs.replay(key, NO_BATCH)
+        self._note_changes(replayed)
+        if not replayed.replayed:
+            return False
+        self.grad_norm = replayed.output
+        return True
+
+    def _updated(self) -> torch.Tensor | None:
+        self.body.update()
+        return self.body.grad_norm
+
+    def _follow_trainable(self) -> None:
+        """A script that froze or unfroze parameters (``requires_grad``): the wrapper rebuilt
+        over the new set and the training graphs dropped, so the step captures again after the
+        new wrapper's warm-up. Checked by the replay guard while graphed (no cost here), on
+        every call otherwise."""
+        if self.phase is Phase.GRAPHED and not self._trainable_changed:
+            return
+        self._trainable_changed = False
+        if not self.parallel.follow_trainable():
+            return
+        for param in self.parallel.inner.parameters():
+            if not param.requires_grad:
+                param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
+        if self.graphs is not None:
+            self.graphs.drop_training()
+            self.graphs.parameters_changed()
+        get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def check_open(self, what: str) -> None:
         if self.phase is Phase.CLOSED:
@@ -113,15 +202,6 @@ class CapturePolicy:
             self.graphs.close()
         self.output = self.grad_norm = None
         self.phase = Phase.CLOSED
-
-    def check_window_closed(self, what: str) -> None:
-        """Refuse ``what`` between the micro-batches of ``accumulate_calls``."""
-        if self.micro_batches:
-            raise ConfigError(
-                f"{what} after {self.micro_batches} of {self.options.accumulate_calls} "
-                "micro-batches (accumulate_calls): their gradients are not in any state dict; "
-                "save after the call that steps the optimizer (calls % accumulate_calls == 0)."
-            )
 
     def _watched(self, phase: str, run: Callable[[], Any]) -> Any:
         """``run()`` as a watched call: a hang in it becomes the watchdog's verdict."""
@@ -174,22 +254,16 @@ class CapturePolicy:
         calls = self.warmup * self.options.accumulate_calls
         return (
             self.report.eager_steps >= calls
-            and self.micro_batches == 0
+            and self.window.micro_batches == 0
             and self.parallel.allows_capture(self.call_steps)
         )
-
-    def _role(self) -> Role:
-        """ "micro" for a call that only accumulates (accumulate_calls), "train" for one that
-        steps the optimizer: each has its own graph per input signature and mode."""
-        last = self.micro_batches == self.options.accumulate_calls - 1
-        return "train" if last else "micro"
 
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
         return tuple(m.training for m in self._submodules)
 
     def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
-        return GraphKey(self._role(), modes, batch.signature)
+        return GraphKey(self.window.role(), modes, batch.signature)
 
     # ----------------------------------------------------------------- capture
     def _first_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
@@ -261,7 +335,7 @@ class CapturePolicy:
         """Capture the step for this key on the device copy of ``batch``."""
         device_batch = self.to_device(batch)
         result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
-        if key.role == "train":
+        if key.role in ("train", "sync"):
             self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
         return result
 
@@ -286,6 +360,9 @@ class CapturePolicy:
         )
 
     def _explain_failure(self, reason: str) -> str:
+        wrapper = self.parallel.explain_capture_failure(reason)
+        if wrapper is not None:
+            return f"{reason}\ncause: {wrapper}"
         if self._sync_hint is None:
             return reason
         return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"
@@ -307,6 +384,7 @@ class CapturePolicy:
         it has none, or when what the script changed asks for a re-capture."""
         replayed = self._graphs().replay(key, batch)
         self._note_changes(replayed)
+        self._follow_trainable()
         if not replayed.replayed:
             return None
         loss: torch.Tensor
@@ -316,6 +394,10 @@ class CapturePolicy:
 
     def _note_changes(self, replayed: Replayed) -> None:
         news = replayed.findings.changes
+        if replayed.findings.trainable_changed:
+            # followed by the next training call (or this one, in _replay): never inside an
+            # evaluation, which may be rank-local while rebuilding the wrapper is a collective
+            self._trainable_changed = True
         if replayed.findings.recapture:
             dropped = replayed.findings.dropped
             warn_at_user_line(
@@ -331,7 +413,7 @@ class CapturePolicy:
         warming_up = self.phase is Phase.WARMUP
         if warming_up:
             self.report.warmup_steps += n
-        role = self._role()
+        role = self.window.role()
         last_warmup = self.warmup * self.options.accumulate_calls
         check_syncs = (
             warming_up
@@ -351,7 +433,7 @@ class CapturePolicy:
                     self._sync_hint = syncs.describe()
             else:
                 loss, output = self.body.run(batch, role)
-        if role == "train":
+        if role in ("train", "sync"):
             self.parallel.count_forwards(n)
         self._eager_before_capture = max(0, self._eager_before_capture - n)
         self.output = _detached(output)
@@ -430,6 +512,13 @@ class CapturePolicy:
 
     def _evaluate(self, batch: Batch) -> Any:
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
+        self.window.warn_if_open("evaluate()")
+        if self._eval_syncs_buffers:
+            # DDP's eval forward after a training step starts with rank 0's buffers (later ones
+            # do not: its no_grad forward turns that off until the next training forward)
+            self._eval_syncs_buffers = False
+            with on_stream(self._stream):
+                self.parallel.sync_buffers()
         if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):
             self._capture_eval(key, batch)
         if self.graphs is not None and key in self.graphs:
@@ -483,30 +572,6 @@ class CapturePolicy:
             raise CaptureError(message)
         warn_at_user_line(f"TrainStep continues eagerly; {message}")
         self.report.fallbacks.append(message)
-
-
-def build_graphs(
-    engine: GraphEngine | None,
-    options: StepOptions,
-    device: torch.device,
-    parameters: Parameters,
-    optimizer: torch.optim.Optimizer,
-) -> Graphs | str:
-    """The step's graphs, or why it runs eagerly.
-
-    Without CUDA and without an engine the optimizer is left as it is, but one that could not
-    be captured is named in a warning, so a CPU dry run tells what the GPU run would do.
-    """
-    if options.graph == "never":
-        return "graph='never'"
-    fp16 = options.amp == "fp16"
-    if device.type != "cuda":
-        problem = graph_safety_problem(optimizer)
-        if problem is not None:
-            warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
-        if engine is None or problem is not None:
-            return f"the model is on {device}, not CUDA"
-    return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)
 
 
 def _detached(output: Any) -> Any:

@@ -13,25 +13,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.device_data import DeviceData
+from ..data.device_data import DeviceData, on_epoch_end
 from ..distributed import watchdog
 from ..errors import ConfigError
 from .batch import make_batch
 from .body import LossFn, StepBody
+from .engine import GraphEngine, build_graphs
 from .feed import DataFeed
-from .graphs import GraphEngine, Graphs, capture_stream
+from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
 from .options import (
     GraphMode,
     NewShapePolicy,
     StepOptions,
-    check_loss_fn,
-    check_model,
-    check_optimizer,
+    check_arguments,
     model_device,
 )
 from .parallel import unwrap, wrap
-from .policy import CapturePolicy, build_graphs
+from .policy import CapturePolicy
 from .precision import precision_for
 from .report import Phase, StepReport
 
@@ -58,30 +57,23 @@ class TrainStep:
     The returned loss and :attr:`output` (the model's output of the latest step) are owned by
     the graph once captured: the next call overwrites them. ``loss.clone()`` keeps a value.
 
-    Phases (:attr:`phase`): ``WARMUP`` runs eager steps (DDP needs 11 before it can be captured);
-    then every rank captures and agrees that all succeeded, and ``GRAPHED`` replays, capturing
-    one more graph per new input signature (``on_new_shape="capture"``) or module mode (a step
-    after ``model.eval()`` has its own graph). A capture that fails falls back to ``EAGER``
-    (the reason in ``report().fallbacks``), naming a host sync seen in warm-up as the likely
-    cause; ``CLOSED`` after :meth:`close`. :meth:`evaluate` runs the forward only, graphed after
-    its own warm-up. Before each replay, changes a script made are found:
-    ``optimizer.load_state_dict(...)`` (copied into the tensors the graph reads), a param-group
-    value or ``requires_grad`` (re-captured, with a warning); a replaced parameter raises
-    :class:`CaptureError`.
+    Phases (:attr:`phase`: warm-up, graphed, eager for a stated reason, closed), what is checked
+    before each replay and what is re-captured: :mod:`ddpgraph.step.policy`. :meth:`evaluate` runs
+    the forward only, graphed after its own warm-up.
 
     Options (keyword-only, validated here; each documented in
     :class:`~ddpgraph.step.options.StepOptions`): ``graph``, ``amp``, ``grad_scaler``,
     ``accumulate``, ``accumulate_calls``, ``clip_grad_norm``, ``grad_norm``, ``on_new_shape``,
-    ``warmup``, ``compile``, ``channels_last``, ``steps_per_replay``; and ``ddp_kwargs`` (extra
+    ``warmup``, ``compile``, ``channels_last``, ``steps_per_replay``, ``defer_update``; and ``ddp_kwargs`` (extra
     ``DistributedDataParallel`` arguments; ``gradient_as_bucket_view=True`` is the default: it
     made graphed steps 2-7% faster), ``scheduler`` (an LR scheduler for :meth:`state_dict`; with
     ``step(data)`` also stepped per training step, ReduceLROnPlateau excepted), ``engine``
     (CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()`` runs the real capture policy on
     the CPU, for tests and dry runs).
 
-    With a process group the model is wrapped in DDP (``step.model``), on the capture stream;
-    pass the bare module. With DDP's ``broadcast_buffers`` each step ends by broadcasting rank
-    0's buffers, so :meth:`evaluate` sees on every rank what DDP's own eval forward would.
+    With a process group the model is wrapped in DDP (``step.model``) on the capture stream;
+    pass the bare module. Buffers follow DDP (rank 0's at each step's first forward); a freeze or
+    unfreeze (``requires_grad``) rebuilds the DDP over the new trainable set and graphs again.
     """
 
     def __init__(
@@ -105,14 +97,14 @@ class TrainStep:
         steps_per_replay: int = 1,
         grad_norm: bool = False,
         engine: GraphEngine | None = None,
+        defer_update: bool = False,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
+            defer_update,
         )  # fmt: skip
-        check_model(model)
-        check_optimizer(optimizer, model)
-        check_loss_fn(loss_fn)
+        check_arguments(model, optimizer, loss_fn)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler
         self.device = device = model_device(model)
@@ -121,26 +113,16 @@ class TrainStep:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         kwargs = dict(ddp_kwargs or {})
         self._precision = precision_for(options.amp, device, options.grad_scaler)
-        self._body = StepBody(
-            wrap(_compiled(model, compile) if compile else model, device, stream, kwargs),
-            optimizer,
-            loss_fn,
-            self._precision,
-            options,
-        )
+        parallel = wrap(_compiled(model, compile) if compile else model, device, stream, kwargs)
+        self._body = StepBody(parallel, optimizer, loss_fn, self._precision, options)
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
         graphs = build_graphs(engine, options, device, self._parameters, optimizer)
         self._policy = CapturePolicy(
-            options,
-            self._body,
-            graphs if isinstance(graphs, Graphs) else None,
-            device=device,
-            stream=stream,
-            submodules=list(model.modules()),
-            rewrap=lambda: wrap(model, device, stream, kwargs),
-            report=self._report,
-        )
-        self._module = model
+            options, self._body, graphs if isinstance(graphs, Graphs) else None,
+            device=device, stream=stream, submodules=list(model.modules()),
+            rewrap=lambda: wrap(model, device, stream, kwargs), report=self._report,
+        )  # fmt: skip
+        on_epoch_end(self._policy.window.warn_at_epoch_end)
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
         self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
         self._body.feed = self._feed
@@ -190,7 +172,11 @@ class TrainStep:
         self._report.skipped_steps = self._precision.skipped_steps()
         return self._report
 
-    def __call__(self, *args: Any, steps: int | None = None) -> torch.Tensor:
+    def __call__(self, *args: Any, steps: int | None = None, last: bool = False) -> torch.Tensor:
+        """One training step, or with ``accumulate_calls=k`` one micro-batch: the k-th call of a
+        window syncs the gradients and steps the optimizer. ``last=True`` ends the window early
+        on the micro-batches taken (as accelerate does at the end of its data); the script's own
+        ``require_backward_grad_sync`` / ``no_sync()`` is read the same way (:mod:`.window`)."""
         self._policy.check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
             return self._run_data(args[0], steps)
@@ -198,7 +184,15 @@ class TrainStep:
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
-        return self._policy.train(batch, 1)
+        return self._policy.train(batch, 1, last=last)
+
+    def update(self) -> None:
+        """With ``defer_update=True``: the optimizer step (clip, step, zero the gradients) on the
+        window the calls since the last update synced, in place of the script's
+        ``optimizer.step()``; the param-group values the script set after the last micro-batch
+        (the LR) apply to it. Call on every rank, once per window; graphed like the step."""
+        self._policy.check_open("update()")
+        self._policy.update()
 
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
@@ -211,8 +205,10 @@ class TrainStep:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
         ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
 
-        Rank-local (no collective: uneven evaluation sets cannot hang); every rank holds rank
-        0's buffers after each step, so the result is what DDP's own eval forward gives. On CUDA
+        What DDP's own eval forward gives on every rank: the first evaluation after a training
+        step starts, as DDP's does, by sending rank 0's buffers (BatchNorm statistics) to every
+        rank, so that call is a collective: make it on every rank. Later calls until the next
+        training step are rank-local (uneven evaluation sets cannot hang). On CUDA
         it is captured after two eager calls per input signature and replayed; the output is
         then graph-owned like the loss. Every module's own mode is restored when this returns.
         """
@@ -267,7 +263,7 @@ class TrainStep:
     def extra_state(self) -> dict[str, Any]:
         """What the TrainStep holds besides model, optimizer and scheduler (the step count;
         fp16's loss scale): what :func:`ddpgraph.save_checkpoint` saves of it."""
-        self._policy.check_window_closed("state_dict()")
+        self._policy.window.check_closed("state_dict()")
         state: dict[str, Any] = {"steps": self._report.steps}
         scaler = self._precision.state_dict()
         if scaler is not None:

@@ -32,13 +32,34 @@ class DataParallel:
         self, *, sync_grads: bool, sync_buffers: bool
     ) -> contextlib.AbstractContextManager[Any]:
         """Around one forward and its backward: ``sync_grads`` False for an accumulating
-        micro-batch (no gradient sync); ``sync_buffers`` False where this step already holds
-        rank 0's buffers (no broadcast of the same values again). DDP decides both at the
-        forward; FSDP2's ``set_requires_gradient_sync`` governs the backward, hence both inside."""
+        micro-batch (no gradient sync); ``sync_buffers`` True for a window's first forward, which
+        starts with rank 0's buffers sent to every rank (DDP's start-of-forward broadcast; the
+        later forwards of a window keep each rank's own buffers, as under DDP's ``no_sync``).
+        DDP decides both at the forward; FSDP2's ``set_requires_gradient_sync`` governs the
+        backward, hence both inside."""
         return contextlib.nullcontext()
 
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank now (a collective: every rank at the same call), as
+        DDP's forward starts: before an ``accumulate_calls`` window's first call and before the
+        first evaluation after a training step. A no-op without buffers to sync."""
+
     def after_step(self) -> None:
-        """At the end of each optimizer step (inside the graph): buffer sync, if any."""
+        """At the end of each optimizer step (inside the graph): what the wrapper needs there."""
+
+    def follow_trainable(self) -> bool:
+        """Rebuild the wrapper over the parameters that require gradients now, if that set
+        changed since it was built (a script froze or unfroze some); True if rebuilt. A
+        collective where there are peers: every rank changes ``requires_grad`` at the same step.
+        The caller drops the training graphs (they read the old wrapper)."""
+        return False
+
+    def script_sync(self) -> bool | None:
+        """What the script asked of this call's gradient sync on the module it holds:
+        ``model.require_backward_grad_sync = ...`` (the bare module, or the wrapper) or a
+        ``with model.no_sync():`` around the call; None when it asked nothing."""
+        flag = self.inner.__dict__.get("require_backward_grad_sync")
+        return None if flag is None else bool(flag)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` on the device (no host sync); the total norm, as
@@ -72,6 +93,11 @@ class DataParallel:
         return ok, dirty
 
     # ----------------------------------------------------------------- failed captures
+    def explain_capture_failure(self, reason: str) -> str | None:
+        """The wrapper's own part in a failed capture, when the failure text shows it (named
+        instead of a host sync seen in warm-up, which would blame the script); else None."""
+        return None
+
     def dirty(self) -> bool:
         """Whether a failed capture left the wrapper mid-iteration."""
         return False

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._typed_torch import (
+    ddp_remove_autograd_hooks,
     ddp_set_logging_sample_rate,
     ddp_sync_buffers,
     ddp_will_sync_buffers,
@@ -34,6 +35,13 @@ from .base import DataParallel
 __all__ = ["DDP", "check_not_ddp", "inner_of"]
 
 _NEVER = 2**31 - 1  # a DDP runtime-logging sample rate that never comes round
+_UNPINNED_COPY = "during CUDA graph capture unless the CPU tensor is pinned"
+# DDP's switch for its start-of-forward buffer broadcast (renamed from broadcast_buffers in 2.13)
+_FORWARD_BROADCAST = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in DistributedDataParallel.__init__.__code__.co_varnames
+    else "broadcast_buffers"
+)
 
 
 class DDP(DataParallel):
@@ -51,16 +59,24 @@ class DDP(DataParallel):
         if device.type == "cuda":
             kwargs["device_ids"] = [device.index]
         kwargs.update(ddp_kwargs)
-        # built on the capture stream: built on the default stream, its backward cannot be
-        # captured ("operation would make the legacy stream depend on a capturing blocking stream")
-        with on_stream(stream):
-            self.ddp = DistributedDataParallel(module, **kwargs)
-        self.module = self.ddp
+        self._kwargs, self._stream = kwargs, stream
         self.inner = module
         self.device = device
+        self._build()
+
+    def _build(self) -> None:
+        # built on the capture stream: built on the default stream, its backward cannot be
+        # captured ("operation would make the legacy stream depend on a capturing blocking stream")
+        with on_stream(self._stream):
+            self.ddp = DistributedDataParallel(self.inner, **self._kwargs)
+        self.module = self.ddp
         self.sample_rate = _stop_ddp_sampling(self.ddp)
-        # DDP broadcasts rank 0's buffers at each forward; here each step ends with it instead
-        self._sync_buffers = ddp_will_sync_buffers(self.ddp)
+        self._trainable = _trainable_ids(self.inner)  # what DDP reduces: follow_trainable
+        # DDP's own start-of-forward broadcast is switched off and done by forward_context and
+        # sync_buffers instead: a graph replays whatever its capture recorded, so which forward
+        # broadcasts must be decided by the step (a window's first), not by DDP's host flag
+        self._broadcasts = ddp_will_sync_buffers(self.ddp)
+        setattr(self.ddp, _FORWARD_BROADCAST, False)
         self._forwards = 0  # DDP forwards that advanced its iteration counter
 
     # ----------------------------------------------------------------- forward and backward
@@ -69,18 +85,36 @@ class DDP(DataParallel):
         with contextlib.ExitStack() as stack:
             if not sync_grads:
                 stack.enter_context(self.ddp.no_sync())
-            if not sync_buffers and self._sync_buffers:
-                self.ddp.broadcast_buffers = False
-                stack.callback(setattr, self.ddp, "broadcast_buffers", True)
+            if sync_buffers:
+                self.sync_buffers()
             yield
 
-    def after_step(self) -> None:
-        """Rank 0's buffers to every rank, moved from DDP's next forward to the end of this
-        step: evaluate() then sees what DDP's own eval forward sees, with no collective of its
-        own."""
-        if self._sync_buffers:
-            with torch.no_grad():
-                ddp_sync_buffers(self.ddp, authoritative_rank=0)
+    def sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
+        which also picks up buffers the module reassigned)."""
+        if self._broadcasts:
+            ddp_sync_buffers(self.ddp)
+
+    def follow_trainable(self) -> bool:
+        """DDP reduces the parameters that required gradients when it was built; after a freeze
+        it would wait for gradients that never come (``find_unused_parameters=True`` searches for
+        them on every step, with host work a capture cannot hold), after an unfreeze it would
+        leave the new ones unsynced. So it is built again over the set as it is now (DDP's
+        construction: a collective, which also sends rank 0's parameters and buffers; they are
+        the same on every rank already). DDP's warm-up rule starts again with the new one."""
+        if _trainable_ids(self.inner) == self._trainable:
+            return False
+        old = self.ddp
+        ddp_remove_autograd_hooks(old)  # the old reducer must not see the next backward
+        self._build()
+        del old
+        return True
+
+    def script_sync(self) -> bool | None:
+        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it)."""
+        if not self.ddp.require_backward_grad_sync:
+            return False
+        return super().script_sync()
 
     # ----------------------------------------------------------------- capture preconditions
     def count_forwards(self, n: int) -> None:
@@ -97,6 +131,21 @@ class DDP(DataParallel):
         return bool(every_ok), not none_dirty
 
     # ----------------------------------------------------------------- failed captures
+    def explain_capture_failure(self, reason: str) -> str | None:
+        """With ``find_unused_parameters=True`` a step in which some parameter gets no gradient
+        makes DDP's reducer copy its pageable CPU bitmap of used parameters to the device (the
+        "unless the CPU tensor is pinned" error): DDP's bookkeeping, not the script's tensors."""
+        if not self.ddp.find_unused_parameters or _UNPINNED_COPY not in reason:
+            return None
+        return (
+            "DistributedDataParallel(find_unused_parameters=True) found parameters that got no "
+            "gradient in this step, and its bookkeeping of them copies a CPU bitmap to the "
+            "device, which a CUDA graph cannot hold. Parameters the script froze "
+            "(requires_grad=False) are taken out by rebuilding the DDP, which TrainStep does at "
+            "the next call; parameters a forward leaves unused on purpose keep the step eager: "
+            "use them in every step (e.g. multiply their output by 0) to graph it."
+        )
+
     def dirty(self) -> bool:
         """Whether DDP's reducer was left mid-iteration (a capture failed inside backward)."""
         try:
@@ -133,6 +182,10 @@ def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return DDP_STATS_SAMPLE_RATE
     return _NEVER
+
+
+def _trainable_ids(module: nn.Module) -> tuple[int, ...]:
+    return tuple(id(p) for p in module.parameters() if p.requires_grad)
 
 
 def inner_of(model: nn.Module) -> nn.Module:

@@ -1,0 +1,71 @@
+"""What makes a TrainStep's graphs: the engine passed in (CUDA graphs by default, or the CPU
+stand-in), or the reason the step runs eagerly."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .graphs import Graphs, Parameters, capture_stream
+from .optim import graph_safety_problem, plan_graph_safety
+from .options import StepOptions, warn_at_user_line
+
+__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "GraphEngine", "build_graphs"]
+
+
+class GraphEngine(Protocol):
+    """Makes the :class:`Graphs` of one TrainStep, or says why its optimizer cannot be graphed."""
+
+    def build(
+        self,
+        parameters: Parameters,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        fp16: bool,
+    ) -> Graphs | str: ...
+
+
+class CudaGraphEngine:
+    """Real CUDA graphs on the device's capture stream; the optimizer made graph-safe first."""
+
+    def build(
+        self,
+        parameters: Parameters,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        fp16: bool,
+    ) -> Graphs | str:
+        plan = plan_graph_safety(optimizer, device, fp16=fp16)
+        if isinstance(plan, str):
+            return plan
+        return Graphs(capture_stream(device), parameters, plan)
+
+
+CUDA_GRAPHS = CudaGraphEngine()
+
+
+def build_graphs(
+    engine: GraphEngine | None,
+    options: StepOptions,
+    device: torch.device,
+    parameters: Parameters,
+    optimizer: torch.optim.Optimizer,
+) -> Graphs | str:
+    """The step's graphs, or why it runs eagerly.
+
+    Without CUDA and without an engine the optimizer is left as it is, but one that could not
+    be captured is named in a warning, so a CPU dry run tells what the GPU run would do.
+    """
+    if options.graph == "never":
+        return "graph='never'"
+    fp16 = options.amp == "fp16"
+    if device.type != "cuda":
+        problem = graph_safety_problem(optimizer)
+        if problem is not None:
+            warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
+        if engine is None or problem is not None:
+            return f"the model is on {device}, not CUDA"
+    return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)

@@ -1,0 +1,140 @@
+"""The ``accumulate_calls`` window: which call of it this is, and what ends it.
+
+k calls take one micro-batch each; the k-th (or one with ``last=True``, or one where the
+script's own sync control says so) syncs the gradients and steps the optimizer; with
+``defer_update=True`` the step waits for ``step.update()``. Every decision here is made from
+what each rank was given, so every rank decides the same and raises the same.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .batch import Batch, Role
+from .options import StepOptions, warn_at_user_line
+
+__all__ = ["Window"]
+
+
+class Window:
+    """Where a TrainStep is in its accumulation window (one call per micro-batch)."""
+
+    def __init__(self, options: StepOptions) -> None:
+        self.calls = options.accumulate_calls
+        self.defer_update = options.defer_update
+        self.micro_batches = 0  # micro-batches taken since the last update
+        self.update_due = False  # defer_update: a synced window waits for step.update()
+        self._ends_early = False  # this call ends its window early
+        self._last_input: int | None = None  # id of the latest batch's first tensor
+
+    def begin(self, batch: Batch, last: bool, script_sync: bool | None) -> bool:
+        """Check a call before anything runs; whether it starts a window (k > 1)."""
+        if self.update_due:
+            raise ConfigError(
+                "step() after a window's last micro-batch without step.update(): with "
+                "TrainStep(defer_update=True) the optimizer steps where the script calls "
+                "step.update() (its optimizer.step() line); call it once per window, after the "
+                "last micro-batch and after setting the LR."
+            )
+        self._ends_early = self._end_asked(last, script_sync)
+        self._last_input = id(batch.tensors[0]) if batch.tensors else None
+        return self.calls > 1 and self.micro_batches == 0
+
+    def role(self) -> Role:
+        """ "micro" for a call that only accumulates, "train" for one that steps the optimizer
+        ("sync" where the step waits for ``step.update()``): each has its own graphs."""
+        last = self.micro_batches == self.calls - 1
+        if not (last or self._ends_early):
+            return "micro"
+        return "sync" if self.defer_update else "train"
+
+    def end(self, role: Role) -> None:
+        """After a call of ``role`` ran."""
+        self.micro_batches = 0 if role in ("train", "sync") else self.micro_batches + 1
+        self.update_due = role == "sync"
+
+    def take_update(self) -> None:
+        """``step.update()``: check it applies a synced window, then mark it applied."""
+        if not self.defer_update:
+            raise ConfigError(
+                "step.update() is for TrainStep(defer_update=True), where the script keeps its "
+                "optimizer.step() line as step.update(); without it the call that ends a window "
+                "steps the optimizer itself: remove step.update()."
+            )
+        if not self.update_due:
+            raise ConfigError(
+                f"step.update() with no synced window to apply ({self.micro_batches} of "
+                f"{self.calls} micro-batches taken): call it after the window's last "
+                "micro-batch (the accumulate_calls-th call, or one with last=True), once per "
+                "window."
+            )
+        self.update_due = False
+
+    def check_closed(self, what: str) -> None:
+        """Refuse ``what`` between the micro-batches of a window (or before its update)."""
+        if self.update_due:
+            raise ConfigError(
+                f"{what} after a window's last micro-batch without step.update() "
+                "(defer_update=True): its gradients are not in any state dict; save after "
+                "step.update()."
+            )
+        if self.micro_batches:
+            raise ConfigError(
+                f"{what} after {self.micro_batches} of {self.calls} micro-batches "
+                "(accumulate_calls): their gradients are not in any state dict; save after the "
+                "call that steps the optimizer (calls % accumulate_calls == 0)."
+            )
+
+    def warn_if_open(self, what: str) -> None:
+        """``what`` (an evaluation) inside an open window sees the model before it."""
+        if self.micro_batches or self.update_due:
+            warn_at_user_line(
+                f"{what} inside an open accumulate_calls window ({self.micro_batches} of "
+                f"{self.calls} micro-batches taken, not yet applied"
+                f"{'; step.update() not called' if self.update_due else ''}): the model "
+                "evaluated is the one before them; end the window first (step(..., last=True) "
+                "where the epoch ends early)."
+            )
+
+    def warn_at_epoch_end(self, data: Any) -> None:
+        """At the end of an epoch of the DeviceData whose batches this step took: a window
+        still open carries its micro-batches into the next epoch's first step (accelerate
+        steps on them instead)."""
+        last = getattr(data, "last_batch", None)
+        if not (self.micro_batches or self.update_due) or not last:
+            return
+        if id(last[0]) != self._last_input:
+            return  # another DeviceData's epoch, or another step's
+        warn_at_user_line(
+            f"a DeviceData epoch ended with an accumulate_calls window open ({self.micro_batches}"
+            f" of {self.calls} micro-batches taken): they count towards the next epoch's first "
+            "step. To step on them at the epoch's end, as accelerate does, pass last=True with "
+            "the epoch's last batch: for i, (x, y) in enumerate(data): step(x, y, "
+            "last=i == len(data) - 1)."
+        )
+
+    def _end_asked(self, last: bool, asked: bool | None) -> bool:
+        """Whether this call ends its window early: ``last=True``, or the script's own sync
+        control (``require_backward_grad_sync`` / ``no_sync``; ``asked``) read as the window's
+        end. Raises where that control contradicts the window."""
+        if asked is None or asked:
+            return last or bool(asked and self.calls > 1)
+        if self.calls == 1:
+            raise ConfigError(
+                "the script turned the gradient sync off for this call (require_backward_grad_sync"
+                " = False, or no_sync()), but TrainStep(accumulate_calls=1) syncs and steps the "
+                "optimizer on every call, so its accumulation would be ignored; pass "
+                "accumulate_calls=k (k micro-batches per optimizer step, one per call): the "
+                "k-th call, or one whose flag is True, syncs and steps."
+            )
+        if last or self.micro_batches == self.calls - 1:
+            position = "step(..., last=True)" if last else f"call {self.calls} of {self.calls}"
+            raise ConfigError(
+                f"the script turned the gradient sync off (require_backward_grad_sync = False, or "
+                f"no_sync()) on the window's last micro-batch ({position}, accumulate_calls="
+                f"{self.calls}): TrainStep syncs and steps there; set the flag True on the last "
+                "micro-batch, as DDP scripts do, or change accumulate_calls to the script's "
+                "micro-batches per step."
+            )
+        return False
