@@ -347,9 +347,11 @@ class _SlotPredictor:
     Every rank must pass the same slot size to the first round's all-gather, so the guess may
     use only what all ranks agree on: the headers of earlier calls, which every rank received
     alike. It keys on the call site of the previous call (agreed in its headers) and remembers
-    the sizes of the calls that followed it the last two times; the smaller of the two is used,
-    so a pattern must repeat before a call pays for a large slot (a once-per-epoch evaluation
-    gather after many small metrics calls keeps the small slot for those). A call that fails
+    the sizes of the calls that followed it the last two times (a new site: its first
+    follower's, twice); the smaller of the two is used, so a change to larger objects must
+    repeat before a call pays for a large slot (a once-per-epoch evaluation gather after many
+    small metrics calls leaves the small slot for those). A loop repeating one call takes two
+    collectives in its first two calls and one from the third on. A call that fails
     after its first round forgets the previous site, alike on every rank. A local argument
     (this call's site, op or ``max_bytes``) never enters the guess: ranks at different calls
     would then gather different sizes, and the mismatch would hang instead of being reported.
@@ -373,7 +375,7 @@ class _SlotPredictor:
         """The call at ``site`` passed its header checks with these payload sizes."""
         need = _slot_for(max(sizes), cap)
         if self.pending is not None:
-            older = self.after.pop(self.pending, (_SLOT, _SLOT))[1]
+            older = self.after.pop(self.pending, (need, need))[1]
             self.after[self.pending] = (older, need)
             if len(self.after) > self._REMEMBERED:
                 del self.after[next(iter(self.after))]
