@@ -9,7 +9,7 @@ For each world size, object kind and size, times in the same processes, taking t
 * ``ddpgraph_cold``: the same call with a fresh size history each time, so an object over 16 KiB
   takes two collectives (a call whose size the group has not seen before);
 * ``torch``: ``torch.distributed.all_gather_object(out, obj)`` (pickle; always two collectives);
-* ``raw``: one all-gather of a tensor of the encoded size, already in place on the device: the
+* ``raw``: one all-gather of a tensor of the (largest rank's) encoded size, already in place on the device: the
   floor for moving the bytes (no encoding, no host copies);
 * ``raw_host`` (NCCL only): the same bytes from a host buffer to the device, all-gathered, and
   back to the host: the floor for any object collective whose objects live in host memory.
@@ -70,13 +70,15 @@ SIZES = {
     "10MB": 10_000_000,
     "100MB": 100_000_000,
 }
-# timed calls per method and run, by size (3 warm-up calls come first, untimed)
-ITERATIONS = {"100B": 15, "10KB": 15, "100KB": 11, "1MB": 7, "10MB": 3, "100MB": 2}
-WARMUP = 3
+# timed calls per method and run, by size, after WARMUP untimed ones (each run warms up again;
+# two calls are enough for the learned slot, three steady the small sizes' caches)
+ITERATIONS = {"100B": 15, "10KB": 15, "100KB": 11, "1MB": 7, "10MB": 3, "100MB": 1}
+WARMUP = {"100B": 3, "10KB": 3, "100KB": 3, "1MB": 3, "10MB": 2, "100MB": 2}
 LIMITS = (
-    "100MB only at world size <= 2 and only for bytes, tensor and numpy (a 100 MB dict of "
-    "floats is 12.5 M Python objects per rank); floats and ints of 10MB or more not at 8 ranks "
-    "(8 ranks x 10 MB of Python objects exceed the 2-core machine's minutes)"
+    "100MB only at world size 2 and only for bytes, tensor and numpy, without ddpgraph_cold (over "
+    "the 64 MiB learned-slot cap every call is cold); floats and ints of 10MB only at world size 2 "
+    "(a rank decodes world_size x 10 MB of Python objects per call: minutes at 8 ranks on 2 "
+    "cores); 10MB at 8 ranks only for bytes, tensor and numpy"
 )
 # torch 2.13 renamed all_gather_into_tensor (the old name warns)
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -87,7 +89,7 @@ def runs_case(kind: str, size: str, world: int) -> bool:
     if size == "100MB":
         return world <= 2 and kind in ("bytes", "tensor", "numpy")
     if kind in ("floats", "ints") and SIZES[size] >= 10_000_000:
-        return world < 8
+        return world <= 2
     return True
 
 
@@ -115,6 +117,8 @@ def _own_history(fn: Callable[[], Any], *, keep: bool = True) -> Callable[[], An
     order, so the guesses stay equal on every rank (as they must).
     """
     saved: list[Any] = []
+    if not hasattr(objects, "_SlotPredictor"):  # a ddpgraph from before the learned slot
+        return fn
 
     def run() -> Any:
         group = dist.group.WORLD
@@ -169,12 +173,14 @@ def methods_for(
     return methods
 
 
-def _timed(methods: dict[str, Callable[[], Any]], iters: int, sync: Callable[[], None]) -> dict:
+def _timed(
+    methods: dict[str, Callable[[], Any]], warmup: int, iters: int, sync: Callable[[], None]
+) -> dict:
     """Median seconds per call of each method on this rank, interleaved call by call in rotating
     order, so that load from elsewhere on the machine falls on all methods alike."""
     times: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
-    for i in range(WARMUP + iters):
+    for i in range(warmup + iters):
         # rotate the order too: the call that follows another method's pays for its leftovers
         for name in names[i % len(names) :] + names[: i % len(names)]:
             fn = methods[name]
@@ -183,7 +189,7 @@ def _timed(methods: dict[str, Callable[[], Any]], iters: int, sync: Callable[[],
             start = time.perf_counter()
             fn()
             sync()
-            if i >= WARMUP:
+            if i >= warmup:
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -215,12 +221,15 @@ def measure(
                 continue
             started = time.perf_counter()
             obj = make_object(kind, SIZES[size], rank)
-            nbytes = sum(len(p) for p in encode_parts(obj))
+            # the raw floor moves the largest rank's encoded size from every rank
+            nbytes = max(dg.all_gather_object(sum(len(p) for p in encode_parts(obj))))
             iters = max(2, ITERATIONS[size] // 3) if quick else ITERATIONS[size]
             methods = methods_for(obj, nbytes, ops, device, on_gpu)
+            if size == "100MB":  # over the learned-slot cap: every call is cold
+                methods.pop("ddpgraph_cold", None)
             per_run = []
             for _ in range(runs):
-                medians = _timed(methods, iters, sync)
+                medians = _timed(methods, WARMUP[size], iters, sync)
                 # the slowest rank's median: the job waits for it
                 per_rank = dg.all_gather_object(medians)
                 per_run.append({n: max(m[n] for m in per_rank) for n in medians})
@@ -232,6 +241,7 @@ def measure(
                 "size": size,
                 "encoded_bytes": nbytes,
                 "iterations": iters,
+                "warmup": WARMUP[size],
                 "runs": runs,
                 "median_s": median,
                 "runs_s": per_run,
@@ -319,7 +329,6 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "limits": LIMITS,
-        "warmup": WARMUP,
         "cases": cases,
     }
     kind = "cuda" if on_gpu else "cpu"
