@@ -384,3 +384,25 @@ def column_ext(dtype: str, length: object, offset: int) -> msgpack.ExtType:
 def test_corrupt_columns_raise_decode_error_before_building_anything(payload, message):
     with pytest.raises(DecodeError, match=message):
         decode(payload)
+
+
+def test_long_bytes_travel_after_the_body_and_come_back_as_bytes():
+    from ddpgraph.codec import encode_parts
+
+    blob = bytes(range(256)) * 1024
+    obj = {"blob": blob, "short": b"x" * 10, "nested": [blob[:70_000], (blob,)]}
+    parts = encode_parts(obj)
+    assert len(parts[1]) < 200  # the body holds only lengths and offsets
+    assert same(decode(b"".join(parts)), obj)
+    assert same(decode(encode(blob)), blob)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [[5, 0], [4, 5], [-1, 0], ["4", 0], [4], [4, 0, 0]],
+    ids=["past-end", "offset-past-end", "negative", "str", "short", "long"],
+)
+def test_corrupt_raw_bytes_raise_decode_error(meta):
+    payload = framed(msgpack.packb(msgpack.ExtType(8, msgpack.packb(meta))), b"abcd")
+    with pytest.raises(DecodeError):
+        decode(payload)

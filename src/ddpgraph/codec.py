@@ -44,6 +44,7 @@ _EXT_BIGINT = 4
 _EXT_TUPLE = 5
 _EXT_COLUMN = 6  # a list of floats, or of ints, as one little-endian array
 _EXT_DICT_COLUMN = 7  # a dict whose values are all floats, or all ints: keys, then the array
+_EXT_BYTES = 8  # a long bytes value, its bytes after the body
 
 # Lists and dicts at least this long whose items (values) are all floats, or all ints, travel as
 # one array of raw bytes after the body (decoded at C speed by numpy's tolist) instead of one
@@ -58,6 +59,11 @@ _COLUMN_DTYPES: dict[str, np.dtype] = {
 }
 _INT32 = np.iinfo(np.int32)
 _COLUMN_DEPTH = 100  # nesting levels searched for columns
+# bytes values at least this long travel after the body too: msgpack would copy them into its
+# own growing buffer first (the walk that finds columns finds them)
+_RAW_BYTES_MIN = 1 << 16
+_WALKED = (list, dict, bytes)
+_WALK_BUDGET = 4096
 
 # Decoding maps names to dtypes through this table only: a payload cannot name anything else.
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -119,6 +125,9 @@ class _Encoder:
     def __init__(self) -> None:
         self.buffers: list[memoryview] = []
         self.offset = 0  # where the next buffer starts, after the body
+        # items the walk for columns may visit one by one in Python (~0.3-1 us each): a list
+        # of 100,000 small records is left to msgpack rather than walked for nothing
+        self.budget = _WALK_BUDGET
 
     def encode(self, obj: Any) -> list[bytes | memoryview]:
         try:
@@ -163,11 +172,14 @@ class _Encoder:
 
     def columns(self, obj: Any, depth: int = 0) -> Any:
         """``obj`` with its long lists of floats or ints (and dicts of them) replaced by column
-        extensions; containers that hold none are returned as they are, not copied. Deeper
-        than _COLUMN_DEPTH it leaves things as they are (msgpack refuses what nests itself)."""
+        extensions and its long bytes values by raw-bytes extensions; containers that hold
+        none are returned as they are, not copied. Deeper than _COLUMN_DEPTH it leaves things
+        as they are (msgpack refuses what nests itself)."""
         kind = type(obj)
-        if depth > _COLUMN_DEPTH or kind not in (list, dict):
+        if depth > _COLUMN_DEPTH or kind not in _WALKED:
             return obj
+        if kind is bytes:
+            return obj if len(obj) < _RAW_BYTES_MIN else self.raw_bytes(obj)
         if kind is list:
             column = self.column(obj) if len(obj) >= _COLUMN_MIN else None
             return column if column is not None else self.descend(obj, obj, depth)
@@ -176,6 +188,12 @@ class _Encoder:
             return msgpack.ExtType(_EXT_DICT_COLUMN, self.keys(obj) + column.data)
         values = self.descend(obj.values(), None, depth)
         return obj if values is None else dict(zip(obj, values, strict=True))
+
+    def raw_bytes(self, value: bytes) -> msgpack.ExtType:
+        meta = self.pack([len(value), self.offset])
+        self.buffers.append(memoryview(value))
+        self.offset += len(value)
+        return msgpack.ExtType(_EXT_BYTES, meta)
 
     def keys(self, obj: dict[Any, Any]) -> bytes:
         """A dict column's keys: str keys as one UTF-8 text joined by NUL (split at C speed on
@@ -187,9 +205,11 @@ class _Encoder:
         return self.pack(list(obj))
 
     def descend(self, items: Any, unchanged: Any, depth: int) -> Any:
-        """The items with columns() applied, or ``unchanged`` if none is a list or a dict."""
-        if not {list, dict}.intersection(map(type, items)):
+        """The items with columns() applied, or ``unchanged`` if none is walked further, or
+        if the walk's budget is spent (then msgpack packs them one by one, as it would)."""
+        if set(_WALKED).isdisjoint(map(type, items)) or len(items) > self.budget:
             return unchanged
+        self.budget -= len(items)
         return [self.columns(x, depth + 1) for x in items]
 
     def column(self, items: Any) -> msgpack.ExtType | None:
@@ -345,6 +365,9 @@ class _Decoder:
             return self.tensor(data)
         if code == _EXT_COLUMN:
             return self.column(data)
+        if code == _EXT_BYTES:
+            _, _, raw = self.array_meta(data, _byte_dtype, column=True, raw_bytes=True)
+            return bytes(raw)
         if code == _EXT_DICT_COLUMN:
             return self.dict_column(data)
         if code == _EXT_NDARRAY:
@@ -391,9 +414,16 @@ class _Decoder:
         return dict(zip(keys, values, strict=True))
 
     def array_meta(
-        self, data: bytes, to_dtype: Callable[[str], Any], *, column: bool = False
+        self,
+        data: bytes,
+        to_dtype: Callable[[str], Any],
+        *,
+        column: bool = False,
+        raw_bytes: bool = False,
     ) -> tuple[Any, list[int], memoryview]:
         meta = msgpack.unpackb(data, raw=False)
+        if raw_bytes and isinstance(meta, list):  # [length, offset]
+            meta = ["|u1", *meta]
         if column:  # [dtype, length, offset]: a one-dimensional array
             if not (isinstance(meta, list) and len(meta) == 3 and type(meta[1]) is int):
                 raise DecodeError(f"bad column header {meta!r}")
@@ -424,6 +454,10 @@ def _torch_dtype(name: str) -> torch.dtype:
     if dtype is None:
         raise DecodeError(f"unknown tensor dtype {name!r}")
     return dtype
+
+
+def _byte_dtype(name: str) -> np.dtype:
+    return np.dtype(np.uint8)
 
 
 def _column_dtype(name: str) -> np.dtype:
