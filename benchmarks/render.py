@@ -393,14 +393,17 @@ def _objects_sweep(path: Path, data: dict) -> list[str]:
 
 def _objects_cell(case: dict) -> str:
     ratios, spread = case["ratios"], case.get("ratio_spread", {})
-    if "ddpgraph_vs_torch" not in ratios:
-        return "–"
-    lo, hi = spread.get("ddpgraph_vs_torch", [ratios["ddpgraph_vs_torch"]] * 2)
-    text = f"**{ratios['ddpgraph_vs_torch']:.2f}×** [{lo:.2f}–{hi:.2f}]"
-    if "cold_vs_torch" in ratios:
-        text += f", cold {ratios['cold_vs_torch']:.2f}×"
-    ms = case["median_s"]["ddpgraph"] * 1e3
-    return text + f", {ms:.3g} ms"
+    texts = []
+    if "ddpgraph_vs_torch" in ratios:
+        lo, hi = spread.get("ddpgraph_vs_torch", [ratios["ddpgraph_vs_torch"]] * 2)
+        text = f"**{ratios['ddpgraph_vs_torch']:.2f}×** [{lo:.2f}–{hi:.2f}]"
+        if "cold_vs_torch" in ratios:
+            text += f", cold {ratios['cold_vs_torch']:.2f}×"
+        texts.append(text + f", {case['median_s']['ddpgraph'] * 1e3:.3g} ms")
+    for key, name in (("gather_vs_torch", "gather"), ("broadcast_vs_torch", "broadcast")):
+        if key in ratios:
+            texts.append(f"{name} {ratios[key]:.2f}×")
+    return "; ".join(texts) or "–"
 
 
 def _objects_chart(data: dict, path: Path) -> Path | None:

@@ -420,6 +420,8 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
         if call.timeout is not None:
             _await_arrivals(call, state)
         header = _header(call, state.seq, status, size)
+        # From sizes checked in earlier calls (never from this call's headers, not read yet):
+        # the same on every rank, and bounded before anything is allocated for it.
         slot_size = state.predictor.start()
         with _explained(call, state.seq):
             slots = _first_round(call, device, state, slot_size, header, parts, size)
