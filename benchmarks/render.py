@@ -384,7 +384,7 @@ def _objects_sweep(path: Path, data: dict) -> list[str]:
                 case = next((c for c in here if c["kind"] == kind and c["size"] == size), None)
                 cells.append("–" if case is None else _objects_cell(case))
             parts.append(f"| {size} | " + " | ".join(cells) + " |")
-    chart_path = _objects_chart(data, ROOT / "docs" / "img" / f"{path.stem}.png")
+    chart_path = _objects_chart(data, PAGE.parent / "img" / f"{path.stem}.png")
     if chart_path is not None:
         link = chart_path.relative_to(PAGE.parent).as_posix()
         parts += ["", f"![ddpgraph all_gather_object × torch's, {data['backend']}]({link})"]
