@@ -1,6 +1,7 @@
 """Regenerate the performance numbers of README.md and docs/benchmarks.md from benchmarks/results.
 
 Usage: python benchmarks/render.py   (the chart needs matplotlib: pip install 'ddpgraph[plot]')
+       python benchmarks/render.py --objects   (only docs/benchmarks.md's object collectives)
 
 Only numbers recorded in benchmarks/results/*.json appear; nothing is typed by hand. Each cell is
 the median over the file's repeated runs, and each ratio compares modes measured in one run.
@@ -369,28 +370,125 @@ OBJECT_COLUMNS = {
 
 
 def objects_section() -> str | None:
-    """ddpgraph's object collectives against torch's, per recorded file."""
+    """ddpgraph's object collectives against torch's, per recorded file (a chart per sweep)."""
     parts: list[str] = []
     for path in sorted(RESULTS.glob("objects-*.json")):
         data = json.loads(path.read_text())
-        first = data["results"][0]["median_s"]
-        cols = [c for c in OBJECT_COLUMNS if c in first]
-        parts += [
-            f"{data['backend']}, world size {data['world_size']}, {data['device']}, torch "
-            f"{data['torch']}, commit {data['git_commit'][:10]} (`{path.name}`): median ms per "
-            "call, slowest rank (× torch's own call):",
-            "",
-            "| object | " + " | ".join(OBJECT_COLUMNS[c][0] for c in cols) + " |",
-            "|---|" + "---:|" * len(cols),
-        ]
-        for result in data["results"]:
-            cells = [
-                f"{result['median_s'][c] * 1e3:.3f} ({result[OBJECT_COLUMNS[c][2]]:.2f}×)"
-                for c in cols
-            ]
-            parts.append(f"| {result['case']} | " + " | ".join(cells) + " |")
+        parts += _objects_sweep(path, data) if "cases" in data else _objects_legacy(path, data)
         parts.append("")
     return "\n".join(parts).rstrip() or None
+
+
+def _objects_legacy(path: Path, data: dict) -> list[str]:
+    """A file from before the sweep: one world size, one object per size."""
+    first = data["results"][0]["median_s"]
+    cols = [c for c in OBJECT_COLUMNS if c in first]
+    parts = [
+        f"{data['backend']}, world size {data['world_size']}, {data['device']}, torch "
+        f"{data['torch']}, commit {data['git_commit'][:10]} (`{path.name}`): median ms per "
+        "call, slowest rank (× torch's own call):",
+        "",
+        "| object | " + " | ".join(OBJECT_COLUMNS[c][0] for c in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for result in data["results"]:
+        cells = [
+            f"{result['median_s'][c] * 1e3:.3f} ({result[OBJECT_COLUMNS[c][2]]:.2f}×)" for c in cols
+        ]
+        parts.append(f"| {result['case']} | " + " | ".join(cells) + " |")
+    return parts
+
+
+def _objects_sweep(path: Path, data: dict) -> list[str]:
+    """benchmarks/objects.py's sweep: a table per world size, kinds across, sizes down."""
+    cases = data["cases"]
+    kinds = list(dict.fromkeys(c["kind"] for c in cases))
+    parts = [
+        f"{data['backend']}, {data['device']}, {data['cpu_count']} CPUs, torch {data['torch']}, "
+        f"commit {data['git_commit'][:10]} (`{path.name}`, `{data.get('command', '')}`). Each "
+        "cell: ddpgraph's `all_gather_object` repeated in a loop, × torch's own call in the same "
+        "processes (median of the runs' slowest-rank medians; in brackets the lowest and highest "
+        "run), then the same call with no size history (`cold`: two collectives above 16 KiB), "
+        "and ddpgraph's milliseconds. Left out: " + data.get("limits", "nothing") + ".",
+    ]
+    for world in sorted({c["world_size"] for c in cases}):
+        here = [c for c in cases if c["world_size"] == world]
+        sizes = list(dict.fromkeys(c["size"] for c in here))
+        parts += [
+            "",
+            f"World size {world}:",
+            "",
+            "| size | " + " | ".join(kinds) + " |",
+            "|---|" + "---:|" * len(kinds),
+        ]
+        for size in sizes:
+            cells = []
+            for kind in kinds:
+                case = next((c for c in here if c["kind"] == kind and c["size"] == size), None)
+                cells.append("–" if case is None else _objects_cell(case))
+            parts.append(f"| {size} | " + " | ".join(cells) + " |")
+    chart_path = _objects_chart(data, PAGE.parent / "img" / f"{path.stem}.png")
+    if chart_path is not None:
+        link = chart_path.relative_to(PAGE.parent).as_posix()
+        parts += ["", f"![ddpgraph all_gather_object × torch's, {data['backend']}]({link})"]
+    return parts
+
+
+def _objects_cell(case: dict) -> str:
+    ratios, spread = case["ratios"], case.get("ratio_spread", {})
+    texts = []
+    if "ddpgraph_vs_torch" in ratios:
+        lo, hi = spread.get("ddpgraph_vs_torch", [ratios["ddpgraph_vs_torch"]] * 2)
+        text = f"**{ratios['ddpgraph_vs_torch']:.2f}×** [{lo:.2f}–{hi:.2f}]"
+        if "cold_vs_torch" in ratios:
+            text += f", cold {ratios['cold_vs_torch']:.2f}×"
+        texts.append(text + f", {case['median_s']['ddpgraph'] * 1e3:.3g} ms")
+    for key, name in (("gather_vs_torch", "gather"), ("broadcast_vs_torch", "broadcast")):
+        if key in ratios:
+            texts.append(f"{name} {ratios[key]:.2f}×")
+    return "; ".join(texts) or "–"
+
+
+def _objects_chart(data: dict, path: Path) -> Path | None:
+    """One panel per world size: ddpgraph / torch against object size, a line per kind."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return path if path.exists() else None
+    cases = data["cases"]
+    worlds = sorted({c["world_size"] for c in cases})
+    kinds = list(dict.fromkeys(c["kind"] for c in cases))
+    fig, axes = plt.subplots(1, len(worlds), figsize=(4.2 * len(worlds), 3.6), sharey=True)
+    axes = axes if len(worlds) > 1 else [axes]
+    colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for ax, world in zip(axes, worlds, strict=True):
+        for kind in kinds:
+            here = [c for c in cases if c["world_size"] == world and c["kind"] == kind]
+            here = [c for c in here if "ddpgraph_vs_torch" in c["ratios"]]
+            if not here:
+                continue
+            xs = [c["encoded_bytes"] for c in here]
+            ax.plot(xs, [c["ratios"]["ddpgraph_vs_torch"] for c in here], "o-", label=kind,
+                    color=colors[kind])  # fmt: skip
+            cold = [(x, c["ratios"]["cold_vs_torch"]) for x, c in zip(xs, here, strict=True)
+                    if "cold_vs_torch" in c["ratios"]]  # fmt: skip
+            if cold:
+                ax.plot(*zip(*cold, strict=True), "x--", color=colors[kind], alpha=0.45)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(0.9, color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_title(f"{data['backend']}, {world} ranks")
+        ax.set_xlabel("encoded bytes per rank")
+    axes[0].set_ylabel("ddpgraph / torch (time per call)")
+    axes[0].legend(title="solid: loop, dashed: cold", fontsize=8, title_fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _shown(path: Path) -> str:
@@ -409,6 +507,11 @@ def _replace(text: str, start: str, end: str, body: str | None) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--objects"]:  # only the object-collective section and its charts
+        page = _replace(PAGE.read_text(), OBJECTS_START, OBJECTS_END, objects_section())
+        PAGE.write_text(page)
+        print(f"updated the objects section of {_shown(PAGE)}")
+        return
     results = load()
     readme = _replace(README.read_text(), START, END, headline(results))
     page = _replace(PAGE.read_text(), START, END, section(results))

@@ -315,3 +315,139 @@ def peer_exits_before(bad: int) -> Any:
     if _rank() == bad:
         os._exit(3)
     return capture(dg.all_gather_object, {"rank": _rank()})
+
+
+# ---- the learned slot (one round for repeated calls) ----
+
+
+class RoundCounter:
+    """Counts the all-gathers of each object collective and checks, in every first round, that
+    each rank's slot holds zeros after its payload (never bytes of an earlier call)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.stale = 0
+        real = objects._all_gather_single
+
+        def counting(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
+            self.calls += 1
+            done = real(out, inp, group=group)
+            self._check_tails(out, inp.numel())
+            return done
+
+        objects._all_gather_single = counting
+
+    def _check_tails(self, out: torch.Tensor, width: int) -> None:
+        data = out.numpy().data
+        for r in range(out.numel() // width):
+            slot = data[r * width : (r + 1) * width]
+            header = objects._parse_header(slot)
+            if isinstance(header, str):
+                return  # a second round: payload bytes only
+            end = objects._HEADER.size + header.size
+            if header.size <= width - objects._HEADER.size and any(bytes(slot[end:])):
+                self.stale += 1
+
+
+def _site_a(obj: Any) -> list:
+    return dg.all_gather_object(obj)
+
+
+def _site_b(obj: Any) -> list:
+    return dg.all_gather_object(obj)
+
+
+def sizes_that_change(plan: list[tuple[str, list[int]]]) -> list[tuple[bool, int]]:
+    """Each step of ``plan`` is (site "a" or "b", each rank's size): whether every rank's object
+    came back intact, and how many all-gathers the call took."""
+    from .test_codec import same
+
+    rank, world = _rank(), dist.get_world_size()
+    counter = RoundCounter()
+    log = []
+    for site, sizes in plan:
+        before = counter.calls
+        got = (_site_a if site == "a" else _site_b)(object_for(rank, sizes[rank]))
+        expected = [object_for(r, sizes[r]) for r in range(world)]
+        ok = all(same(g, e) for g, e in zip(got, expected, strict=True))
+        log.append((ok, counter.calls - before))
+    assert counter.stale == 0, f"{counter.stale} slots carried bytes of an earlier call"
+    return log
+
+
+def mismatch_after_learning() -> list:
+    """Both ranks repeat a 200 kB call (the slot grows); then rank 1 calls from another line.
+    Both ranks must still gather slots of one size and report the mismatch."""
+    rank = _rank()
+    for _ in range(4):
+        _site_a(object_for(rank, 200_000))
+    outcome = capture(_site_a if rank == 0 else _site_b, object_for(rank, 200_000))
+    after = capture(_site_a, object_for(rank, 200_000))
+    return [outcome, after]
+
+
+def failures_after_learning(max_bytes: int) -> list:
+    """After the slot has grown: an object over max_bytes, an announced size of 1 EiB and a
+    header that is not ddpgraph's, each on one rank; then a good call."""
+    rank = _rank()
+    outcomes: list[Any] = []
+
+    def repeat(make: Any, times: int) -> None:
+        for _ in range(times):
+            outcomes.append(capture(dg.all_gather_object, make(), max_bytes=max_bytes))
+
+    repeat(lambda: bytes(200_000), 4)
+    repeat(lambda: bytes(max_bytes + 1 if rank == 1 else 200_000), 1)
+    real = objects._header
+    if rank == 0:
+        objects._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
+    repeat(lambda: bytes(200_000), 1)
+    objects._header = real  # type: ignore[assignment]
+    if rank == 1:
+        objects._header = lambda call, seq, status, size: (
+            b"XXXX" + real(call, seq, status, size)[4:]
+        )  # type: ignore[assignment]
+    repeat(lambda: bytes(200_000), 1)
+    objects._header = real  # type: ignore[assignment]
+    repeat(lambda: bytes(200_000), 3)
+    return outcomes
+
+
+def arrays_of_every_shape(size: int) -> dict:
+    """Tensors and arrays that travel as raw bytes after the msgpack header, of every awkward
+    shape, through all three collectives, three times each (cold, then learned slots)."""
+    import numpy as np
+
+    from .test_codec import same
+
+    def arrays(rank: int) -> dict:
+        base = torch.arange(size, dtype=torch.float32).reshape(-1, 4) + rank
+        return {
+            "t": base.t(),  # not contiguous
+            "bf16": torch.full((5, 3), rank + 0.25, dtype=torch.bfloat16)[:, 1],
+            "zero_d": torch.tensor(rank - 7, dtype=torch.int64),
+            "empty": torch.empty((0, 3), dtype=torch.float16),
+            "bool": torch.tensor([True, False, rank == 1]),
+            "complex": torch.full((2,), complex(rank, -1), dtype=torch.complex64),
+            "np_fortran": np.asfortranarray(np.arange(12.0).reshape(3, 4) * rank),
+            "np_zero_d": np.array(rank, dtype=np.uint16),
+            "np_empty": np.zeros((2, 0), dtype=np.int8),
+            "np_strided": np.arange(20, dtype=np.int32)[::3] + rank,
+        }
+
+    rank, world = _rank(), dist.get_world_size()
+    expected = [arrays(r) for r in range(world)]
+    checks: dict[str, list[bool]] = {"all": [], "gather": [], "bcast": []}
+    for _ in range(3):
+        got = dg.all_gather_object(expected[rank])
+        checks["all"].append(all(same(g, e) for g, e in zip(got, expected, strict=True)))
+    for _ in range(3):
+        gathered = dg.gather_object(expected[rank], dst=0)
+        if rank == 0:
+            checks["gather"].append(
+                all(same(g, e) for g, e in zip(gathered, expected, strict=True))
+            )
+    for _ in range(3):
+        got = dg.broadcast_object(expected[1] if rank == 1 else None, src=1)
+        checks["bcast"].append(same(got, expected[1]))
+    return checks

@@ -278,3 +278,131 @@ def test_exotic_dtypes_keep_their_bits(dtype):
     out = decode(encode(t))
     assert out.dtype == dtype and out.shape == t.shape
     assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+
+
+# ---- columns: long lists of floats or ints, and dicts of them, as raw arrays ----
+
+numbers = st.floats(allow_nan=True) | st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
+column_keys = st.text() | st.integers() | st.tuples(st.integers(), st.text())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.floats(allow_nan=True), min_size=28, max_size=40)
+    | st.lists(st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1), min_size=28, max_size=40)
+    | st.lists(st.integers(min_value=-(1 << 31), max_value=(1 << 31) - 1), min_size=28, max_size=40)
+    | st.lists(st.integers(), min_size=30, max_size=40)  # beyond 64 bits: no column
+    | st.lists(numbers, min_size=30, max_size=40)  # floats and ints mixed: no column
+    | st.dictionaries(column_keys, st.floats(allow_nan=True), min_size=28, max_size=40)
+    | st.dictionaries(st.text(), st.integers(min_value=-(1 << 40), max_value=1 << 40), min_size=30)
+)
+def test_long_lists_and_dicts_of_numbers_round_trip_with_exact_types(obj):
+    assert same(decode(encode(obj)), obj)
+    assert same(decode(encode((obj, [obj, {"in": obj}]))), (obj, [obj, {"in": obj}]))
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [f"k{i}" for i in range(40)],
+        [f"nul\0{i}" for i in range(40)],  # a NUL inside a key: keys go as a list instead
+        ["", *(f"é{i}\ud800" for i in range(39))],  # empty, non-ASCII, a lone surrogate
+        [(i, "t") for i in range(40)],
+        list(range(40)),
+    ],
+    ids=["str", "nul", "unicode", "tuple", "int"],
+)
+def test_dict_columns_keep_every_key_and_its_order(keys):
+    obj = {k: float(i) * 1.5 for i, k in enumerate(reversed(keys))}
+    assert same(decode(encode(obj)), obj)
+
+
+def test_columns_carry_eight_bytes_a_float_and_four_an_int_id():
+    floats = [i / 7 for i in range(10_000)]
+    ids = list(range(10**6, 10**6 + 10_000))
+    assert len(encode(floats)) < 8 * 10_000 + 64
+    assert len(encode(ids)) < 4 * 10_000 + 64
+    assert len(encode({f"k{i}": v for i, v in enumerate(floats)})) < 15 * 10_000
+
+
+def column_ext(dtype: str, length: object, offset: int) -> msgpack.ExtType:
+    return msgpack.ExtType(6, msgpack.packb([dtype, length, offset]))
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (framed(msgpack.packb(column_ext("|O", 1, 0)), bytes(8)), "unknown column dtype"),
+        (framed(msgpack.packb(column_ext("<f4", 2, 0)), bytes(8)), "unknown column dtype"),
+        (framed(msgpack.packb(column_ext("<f8", 3, 0)), bytes(16)), "needs bytes 0..24"),
+        (framed(msgpack.packb(column_ext("<i8", -1, 0)), bytes(8)), "bad array header"),
+        (framed(msgpack.packb(column_ext("<i8", "2", 0)), bytes(16)), "bad column header"),
+        (
+            framed(msgpack.packb(msgpack.ExtType(6, msgpack.packb(["<f8", 1]))), bytes(8)),
+            "bad column header",
+        ),
+        (
+            framed(
+                msgpack.packb(
+                    msgpack.ExtType(7, msgpack.packb(["a", "b"]) + column_ext("<f8", 1, 0).data)
+                ),
+                bytes(8),
+            ),
+            "2 keys for 1 values",
+        ),
+        (
+            framed(
+                msgpack.packb(
+                    msgpack.ExtType(7, msgpack.packb(b"a\0b\0c") + column_ext("<f8", 2, 0).data)
+                ),
+                bytes(16),
+            ),
+            "3 keys for 2 values",
+        ),
+        (
+            framed(
+                msgpack.packb(
+                    msgpack.ExtType(7, msgpack.packb([[1], [2]]) + column_ext("<f8", 2, 0).data)
+                ),
+                bytes(16),
+            ),
+            "unhashable",
+        ),
+    ],
+    ids=[
+        "object",
+        "float32",
+        "short",
+        "negative",
+        "str-length",
+        "two-fields",
+        "keys",
+        "str-keys",
+        "list-keys",
+    ],
+)
+def test_corrupt_columns_raise_decode_error_before_building_anything(payload, message):
+    with pytest.raises(DecodeError, match=message):
+        decode(payload)
+
+
+def test_long_bytes_travel_after_the_body_and_come_back_as_bytes():
+    from ddpgraph.distributed.codec import encode_parts
+
+    blob = bytes(range(256)) * 1024
+    obj = {"blob": blob, "short": b"x" * 10, "nested": [blob[:70_000], (blob,)]}
+    parts = encode_parts(obj)
+    assert len(parts[1]) < 200  # the body holds only lengths and offsets
+    assert same(decode(b"".join(parts)), obj)
+    assert same(decode(encode(blob)), blob)
+
+
+@pytest.mark.parametrize(
+    "meta",
+    [[5, 0], [4, 5], [-1, 0], ["4", 0], [4], [4, 0, 0]],
+    ids=["past-end", "offset-past-end", "negative", "str", "short", "long"],
+)
+def test_corrupt_raw_bytes_raise_decode_error(meta):
+    payload = framed(msgpack.packb(msgpack.ExtType(8, msgpack.packb(meta))), b"abcd")
+    with pytest.raises(DecodeError):
+        decode(payload)

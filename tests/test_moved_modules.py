@@ -16,6 +16,8 @@ MOVED = {
     "ddpgraph.torch_patch": "ddpgraph.distributed.torch_patch",
     "ddpgraph.device_data": "ddpgraph.data.device_data",
     "ddpgraph.optim": "ddpgraph.step.optim",
+    "ddpgraph.objects": "ddpgraph.distributed.objects",
+    "ddpgraph.codec": "ddpgraph.distributed.codec",
 }
 
 PROBE = """

@@ -8,6 +8,7 @@ import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
+from ddpgraph.distributed import objects
 from ddpgraph.distributed.codec import encode
 from ddpgraph.errors import DistributedStateError, ObjectArgumentError
 from ddpgraph.testing import run_distributed
@@ -304,3 +305,96 @@ def test_a_peer_that_dies_mid_call_gives_an_explained_error_naming_the_call():
     assert "failed inside torch's collective on group rank 0" in message
     assert "ddpgraph explains: a peer rank is gone" in message
     assert "Connection" in message  # torch's own text is kept (pickling drops __cause__)
+
+
+# ---- the learned slot: one collective for repeated calls, same safety ----
+
+_K = 1000
+_CHANGING_SIZES = [  # (site, each rank's object size), the all-gathers each call should take
+    ("a", [100 * _K, 100 * _K], 2),  # a new site: a 16 KiB slot, the payload in a second round
+    ("a", [100 * _K, 100 * _K], 2),  # first repeat: a -> a seen once, not yet used
+    ("a", [100 * _K, 100 * _K], 1),  # the slot fits: one round
+    ("a", [150 * _K, 100 * _K], 2),  # rank 0 outgrew the slot: it alone sends a second round
+    ("a", [150 * _K, 150 * _K], 2),  # the larger size is seen once: the smaller guess stands
+    ("a", [150 * _K, 150 * _K], 1),
+    ("a", [10, 10], 1),  # smaller: the large slot still carries it, zeros after it
+    ("a", [10, 10], 1),  # back to 16 KiB
+    ("b", [300 * _K, 10], 2),  # alternating two sites, one of them large
+    ("a", [10, 10], 1),
+    ("b", [300 * _K, 10], 2),
+    ("a", [10, 10], 1),
+    ("b", [300 * _K, 10], 1),  # the alternation is learned: large after a, small after b
+    ("a", [10, 10], 1),
+]
+
+
+@pytest.mark.timeout(240)
+def test_repeated_calls_settle_into_one_round_and_changing_sizes_stay_correct():
+    plan = [(site, sizes) for site, sizes, _ in _CHANGING_SIZES]
+    results = run_distributed(w.sizes_that_change, 2, args=(plan,), timeout=200)
+    rounds = [n for _, _, n in _CHANGING_SIZES]
+    for log in results:  # both ranks: every object intact, the same number of collectives
+        assert [ok for ok, _ in log] == [True] * len(plan)
+        assert [n for _, n in log] == rounds
+
+
+@pytest.mark.timeout(240)
+def test_ranks_at_different_sites_after_the_slot_grew_still_get_the_mismatch_error():
+    results = run_distributed(w.mismatch_after_learning, 2, timeout=200)
+    assert_same_error_everywhere(
+        [outcome for outcome, _ in results], ObjectCollectiveError, "differ in", "call site"
+    )
+    for rank, (_, after) in enumerate(results):  # and the next call, on one line, works
+        assert isinstance(after, list) and [o["rank"] for o in after] == [0, 1], (rank, after)
+
+
+@pytest.mark.timeout(240)
+def test_failures_after_the_slot_grew_are_still_every_rank_errors_before_allocating():
+    results = run_distributed(w.failures_after_learning, 2, args=(1000 * _K,), timeout=200)
+    steps = list(zip(*results, strict=True))
+    assert all(isinstance(o, list) for o in steps[0] + steps[1] + steps[2] + steps[3])
+    assert_same_error_everywhere(
+        list(steps[4]), ObjectCollectiveError, "failed on ranks [1]", "over max_bytes=1000000"
+    )
+    assert_same_error_everywhere(
+        list(steps[5]), ObjectCollectiveError, f"rank 0: {1 << 60} bytes", "nothing was allocated"
+    )
+    assert_same_error_everywhere(
+        list(steps[6]), ObjectCollectiveError, "ranks [1] sent no valid ddpgraph header"
+    )
+    for outcome in steps[7] + steps[8] + steps[9]:
+        assert isinstance(outcome, list) and [len(o) for o in outcome] == [200 * _K] * 2
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("size", [400, 200_000], ids=["inline", "second-round"])
+def test_tensors_and_arrays_of_every_shape_travel_as_raw_bytes_through_every_collective(size):
+    results = run_distributed(w.arrays_of_every_shape, 3, args=(size,), timeout=200)
+    for rank, checks in enumerate(results):
+        assert checks["all"] == [True] * 3 and checks["bcast"] == [True] * 3, (rank, checks)
+        assert checks["gather"] == ([True] * 3 if rank == 0 else []), (rank, checks)
+
+
+def test_the_slot_guess_uses_only_what_every_rank_saw():
+    """The predictor, in one process: keyed on the previous agreed site, confirmed twice."""
+    p = objects._SlotPredictor()
+    big, small = 300_000, 100
+    assert p.start() == objects._SLOT  # nothing seen yet
+    p.learn(site=1, sizes=[big, small], cap=objects._MAX_LEARNED_SLOT)
+    assert p.start() == objects._SLOT  # after site 1: not seen yet
+    p.learn(site=1, sizes=[big, big], cap=objects._MAX_LEARNED_SLOT)
+    grown = p.start()
+    assert big + objects._HEADER.size <= grown <= 1.1 * big
+    p.learn(site=1, sizes=[small], cap=objects._MAX_LEARNED_SLOT)  # smaller: used at once
+    assert p.start() == objects._SLOT
+    p.learn(site=1, sizes=[big], cap=objects._MAX_LEARNED_SLOT)  # larger once: not yet
+    assert p.start() == objects._SLOT
+    # a failed call (no learn after start) forgets the previous site
+    assert p.start() == objects._SLOT and p.previous is None
+    # over the op's cap: the default slot, never a partial one
+    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
+    p.learn(site=3, sizes=[big], cap=256 << 10)
+    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
+    p.learn(site=3, sizes=[big * 2], cap=256 << 10)
+    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
+    assert p.start() == objects._SLOT

@@ -7,9 +7,11 @@ ranks of a group. Compared with torch's functions of similar names they
 * send a fixed header with every object (status, codec, size, call number, call site), so that a
   rank that cannot encode its object, is over ``max_bytes``, uses another codec or is at another
   call makes *every* rank raise the same :class:`ObjectCollectiveError`, naming the rank(s);
-* take one collective for small objects (a fixed-size slot holds header and payload) and two
-  for large ones (the first round carries the sizes, checked against ``max_bytes`` before the
-  second round allocates anything);
+* take one collective where every rank's object fits in its slot next to the header, and two
+  otherwise (the first round carries the sizes, checked against ``max_bytes`` before the second
+  round allocates anything). The slot is 16 KiB, or larger where the group's own history
+  predicts larger objects: the same calls in the same order (an evaluation loop gathering
+  predictions) settle into one round each (see :class:`_SlotPredictor`);
 * with ``timeout=``, name the rank(s) that never arrived (:class:`CollectiveTimeout`);
 * on NCCL use the device bound to this rank (``ddpgraph.init``'s, else the group's
   ``device_id``, else the current device), after checking once per group, through the store,
@@ -32,10 +34,11 @@ import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -63,6 +66,20 @@ DEFAULT_MAX_BYTES = 1 << 30
 # round. 16 KiB holds typical metrics dicts; on gloo (2 ranks, measured) a collective of 16 KiB
 # per rank costs the same as one of 100 bytes (0.25 ms); to be checked on NCCL.
 _SLOT = 16384
+# A learned slot (see _SlotPredictor) is at most this large: beyond it the copies cost far more
+# than the second round's latency, and a wrong guess would make a small call move this much.
+_MAX_LEARNED_SLOT = 64 << 20
+# First-round buffers up to this size (world_size x slot) are kept between calls; larger ones are
+# allocated per call, so that one big gather does not pin its buffers for the life of the group.
+_KEEP_BUFFERS = 16 << 20
+# The first round all-gathers every rank's slot, so for gather_object and broadcast_object a
+# large slot moves world_size times the bytes that their own second round would (to one rank,
+# from one rank): they learn only slots small enough for latency to dominate.
+_LEARNED_CAP = {
+    "all_gather_object": _MAX_LEARNED_SLOT,
+    "gather_object": 256 << 10,
+    "broadcast_object": 256 << 10,
+}
 _MAGIC = b"DGOC"
 _VERSION = 1
 # magic, version, status, op, codec, root, arg, seq, site hash, size, max_bytes, site text
@@ -321,6 +338,59 @@ class _GroupState:
     device: torch.device | None = None  # on NCCL: the rank's device, once checked unique
     on_cpu: bool | None = None  # the group's backend carries CPU tensors (gloo); found once
     slots: _Slots | None = None
+    predictor: _SlotPredictor = field(default_factory=lambda: _SlotPredictor())
+
+
+class _SlotPredictor:
+    """The first round's slot size for the next call, from what every rank of the group saw.
+
+    Every rank must pass the same slot size to the first round's all-gather, so the guess may
+    use only what all ranks agree on: the headers of earlier calls, which every rank received
+    alike. It keys on the call site of the previous call (agreed in its headers) and remembers
+    the sizes of the calls that followed it the last two times (a new site: its first
+    follower's, twice); the smaller of the two is used, so a change to larger objects must
+    repeat before a call pays for a large slot (a once-per-epoch evaluation gather after many
+    small metrics calls leaves the small slot for those). A loop repeating one call takes two
+    collectives in its first two calls and one from the third on. A call that fails
+    after its first round forgets the previous site, alike on every rank. A local argument
+    (this call's site, op or ``max_bytes``) never enters the guess: ranks at different calls
+    would then gather different sizes, and the mismatch would hang instead of being reported.
+    """
+
+    _REMEMBERED = 64  # sites; the oldest is dropped (the same one on every rank)
+
+    def __init__(self) -> None:
+        self.after: dict[int, tuple[int, int]] = {}  # previous site -> last two slot sizes
+        self.previous: int | None = None  # the site of the last call that passed its checks
+        self.pending: int | None = None  # ``previous`` as it was when this call started
+
+    def start(self) -> int:
+        """The slot for the call that begins now. Until its headers are checked, the call after
+        it cannot use it: a failure leaves ``previous`` unset on every rank alike."""
+        self.pending, self.previous = self.previous, None
+        seen = self.after.get(self.pending) if self.pending is not None else None
+        return _SLOT if seen is None else min(seen)
+
+    def learn(self, site: int, sizes: list[int], cap: int) -> None:
+        """The call at ``site`` passed its header checks with these payload sizes."""
+        need = _slot_for(max(sizes), cap)
+        if self.pending is not None:
+            older = self.after.pop(self.pending, (need, need))[1]
+            self.after[self.pending] = (older, need)
+            if len(self.after) > self._REMEMBERED:
+                del self.after[next(iter(self.after))]
+        self.previous = site
+
+
+def _slot_for(size: int, cap: int) -> int:
+    """A slot that holds the header and ``size`` bytes with a little room to grow, rounded so
+    that it wastes at most about 6 %; ``_SLOT`` where that is larger or over ``cap``."""
+    need = _HEADER.size + size
+    need += need >> 5  # a payload a few percent larger next time still fits
+    if need <= _SLOT or need > cap:
+        return _SLOT
+    step = 1 << max(need.bit_length() - 6, 12)  # 32 to 64 steps per power of two
+    return -(-need // step) * step
 
 
 # Kept as long as its group: the peers count the same calls, and a call number used again would
@@ -350,12 +420,18 @@ def _exchange(call: _Call, obj: Any, *, send: bool) -> list[memoryview | None]:
         if call.timeout is not None:
             _await_arrivals(call, state)
         header = _header(call, state.seq, status, size)
+        # From sizes checked in earlier calls (never from this call's headers, not read yet):
+        # the same on every rank, and bounded before anything is allocated for it.
+        slot_size = state.predictor.start()
         with _explained(call, state.seq):
-            slots = _first_round(call, device, state, header, parts, size)
+            slots = _first_round(call, device, state, slot_size, header, parts, size)
         headers = [_parse_header(slots[r]) for r in range(call.world_size)]
         _raise_on_problems(call, headers, slots)
+        good = [h for h in headers if isinstance(h, _Header)]
+        state.predictor.learn(good[0].site, [h.size for h in good], _LEARNED_CAP[call.name])
         with _explained(call, state.seq):
-            return _second_round(call, device, headers, slots, parts, size)
+            inline = slot_size - _HEADER.size
+            return _second_round(call, device, headers, slots, parts, size, inline)
 
 
 @contextmanager
@@ -530,38 +606,54 @@ _all_gather_single: Callable[..., Any] = getattr(
 
 
 class _Slots:
-    """The first round's host buffers, kept per group: a small call then allocates nothing.
+    """The first round's host buffers for one slot size; kept per group while small, so that a
+    repeated call allocates nothing.
 
     Reusing them is safe because every payload is decoded (copied out) before the call returns.
     """
 
-    def __init__(self, world_size: int) -> None:
-        self.send = torch.zeros(_SLOT, dtype=torch.uint8)
+    def __init__(self, world_size: int, slot: int) -> None:
+        self.slot = slot
+        # numpy's zeros come from calloc: a large slot's untouched pages cost nothing to clear
+        self.send = torch.from_numpy(np.zeros(slot, dtype=np.uint8))
         self.send_view = self.send.numpy().data
-        self.recv = torch.empty(world_size * _SLOT, dtype=torch.uint8)
-        view = self.recv.numpy().data
-        self.recv_views = [view[r * _SLOT : (r + 1) * _SLOT] for r in range(world_size)]
+        self.recv = torch.empty(world_size * slot, dtype=torch.uint8)
+        self.dirty = 0  # payload bytes the last call left after the header (zeroed when shorter)
+
+    def fill(self, header: bytes, parts: list[bytes | memoryview], size: int) -> None:
+        """Header, then the payload where it fits; the rest of the slot is zeros, never bytes
+        of an earlier call."""
+        view = self.send_view
+        view[: _HEADER.size] = header
+        written = size if size <= self.slot - _HEADER.size else 0
+        if written:
+            _write(parts, view[_HEADER.size : _HEADER.size + written])
+        if self.dirty > written:
+            self.send[_HEADER.size + written : _HEADER.size + self.dirty].zero_()
+        self.dirty = written
 
 
 def _first_round(
     call: _Call,
     device: torch.device,
     state: _GroupState,
+    slot: int,
     header: bytes,
     parts: list[bytes | memoryview],
     size: int,
 ) -> list[memoryview | None]:
-    if state.slots is None:
-        state.slots = _Slots(call.world_size)
     slots = state.slots
-    slots.send_view[: _HEADER.size] = header
-    if size <= _INLINE:
-        _write(parts, slots.send_view[_HEADER.size :])
+    if slots is None or slots.slot != slot:
+        slots = _Slots(call.world_size, slot)
+        state.slots = slots if call.world_size * slot <= _KEEP_BUFFERS else None
+    slots.fill(header, parts, size)
     if device.type == "cpu":
         _all_gather_single(slots.recv, slots.send, group=call.group)
+        received = slots.recv
     else:
-        slots.recv.copy_(_gather_slots(call, device, slots.send, _SLOT))
-    return list(slots.recv_views)
+        received = _gather_slots(call, device, slots.send, slot)
+    view = received.numpy().data
+    return [view[r * slot : (r + 1) * slot] for r in range(call.world_size)]
 
 
 def _second_round(
@@ -571,22 +663,23 @@ def _second_round(
     slots: list[memoryview | None],
     parts: list[bytes | memoryview],
     size: int,
+    inline: int,
 ) -> list[memoryview | None]:
     """Inline payloads from the slots; the rest in one more collective sized from the headers."""
     sizes = [h.size for h in headers if isinstance(h, _Header)]
     result: list[memoryview | None] = []
     for slot, n in zip(slots, sizes, strict=True):
         assert slot is not None
-        result.append(slot[_HEADER.size : _HEADER.size + n] if n <= _INLINE else None)
-    large = [r for r, size in enumerate(sizes) if size > _INLINE]
+        result.append(slot[_HEADER.size : _HEADER.size + n] if n <= inline else None)
+    large = [r for r, size in enumerate(sizes) if size > inline]
     if not large:
         return result
     # Sizes were checked against max_bytes before this point: nothing below allocates more.
     width = max(sizes[r] for r in large)
     send = torch.empty(width, dtype=torch.uint8)
-    if size > _INLINE:
+    if size > inline:
         _write(parts, send.numpy().data)  # the one copy of tensor data on the way out
-    send[size if size > _INLINE else 0 :].zero_()  # padding: send zeros, not stale memory
+    send[size if size > inline else 0 :].zero_()  # padding: send zeros, not stale memory
     if call.name == "broadcast_object":
         received = _broadcast_bytes(call, device, send)
         result[call.root] = received.numpy().data[: sizes[call.root]]
