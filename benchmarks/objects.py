@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 import ddpgraph as dg
 from ddpgraph.bench import git_commit
+from ddpgraph.distributed import _object_exchange as exchange
 from ddpgraph.distributed import objects
 from ddpgraph.distributed.codec import encode_parts
 
@@ -125,8 +126,8 @@ def _own_history(fn: Callable[[], Any], *, keep: bool = True) -> Callable[[], An
     def run() -> Any:
         group = dist.group.WORLD
         assert group is not None
-        state = objects._group_state(group)
-        mine = saved.pop() if saved and keep else objects._SlotPredictor()
+        state = exchange._group_state(group)
+        mine = saved.pop() if saved and keep else exchange._SlotPredictor()
         shared, state.predictor = state.predictor, mine
         try:
             return fn()

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ddpgraph as dg
+from ddpgraph.distributed import _object_exchange as exchange
 from ddpgraph.distributed import objects, torch_patch
 
 
@@ -73,8 +74,8 @@ def too_large_on(bad: int, max_bytes: int) -> list:
 def corrupt_size_on(bad: int) -> list:
     """Rank ``bad`` announces a 1 EiB object: every rank must refuse before allocating it."""
     if _rank() == bad:
-        real = objects._header
-        objects._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
+        real = exchange._header
+        exchange._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
     return dg.all_gather_object("x")
 
 
@@ -154,7 +155,7 @@ def fake_nccl_on_shared_gpu() -> Any:
     def no_collective(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a collective ran before the device check")
 
-    objects._all_gather_single = no_collective
+    exchange._all_gather_single = no_collective
     return capture(dg.all_gather_object, 1)
 
 
@@ -266,10 +267,10 @@ def nccl_uses_the_bound_device() -> Any:
     def gather_on_cpu(call: Any, device: Any, slot: Any, size: int) -> Any:
         seen.append(str(device))
         out = torch.empty(call.world_size * size, dtype=torch.uint8)
-        objects._all_gather_single(out, slot, group=call.group)
+        exchange._all_gather_single(out, slot, group=call.group)
         return out
 
-    objects._gather_slots = gather_on_cpu
+    exchange._gather_slots = gather_on_cpu
     first = dg.all_gather_object(rank)
     from_thread: list[Any] = []
     thread = threading.Thread(target=lambda: from_thread.append(dg.all_gather_object(-rank)))
@@ -327,7 +328,7 @@ class RoundCounter:
     def __init__(self) -> None:
         self.calls = 0
         self.stale = 0
-        real = objects._all_gather_single
+        real = exchange._all_gather_single
 
         def counting(out: torch.Tensor, inp: torch.Tensor, group: Any = None) -> Any:
             self.calls += 1
@@ -335,17 +336,17 @@ class RoundCounter:
             self._check_tails(out, inp.numel())
             return done
 
-        objects._all_gather_single = counting
+        exchange._all_gather_single = counting
 
     def _check_tails(self, out: torch.Tensor, width: int) -> None:
         data = out.numpy().data
         for r in range(out.numel() // width):
             slot = data[r * width : (r + 1) * width]
-            header = objects._parse_header(slot)
+            header = exchange._parse_header(slot)
             if isinstance(header, str):
                 return  # a second round: payload bytes only
-            end = objects._HEADER.size + header.size
-            if header.size <= width - objects._HEADER.size and any(bytes(slot[end:])):
+            end = exchange._HEADER.size + header.size
+            if header.size <= width - exchange._HEADER.size and any(bytes(slot[end:])):
                 self.stale += 1
 
 
@@ -398,17 +399,17 @@ def failures_after_learning(max_bytes: int) -> list:
 
     repeat(lambda: bytes(200_000), 4)
     repeat(lambda: bytes(max_bytes + 1 if rank == 1 else 200_000), 1)
-    real = objects._header
+    real = exchange._header
     if rank == 0:
-        objects._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
+        exchange._header = lambda call, seq, status, size: real(call, seq, status, 1 << 60)  # type: ignore[assignment]
     repeat(lambda: bytes(200_000), 1)
-    objects._header = real  # type: ignore[assignment]
+    exchange._header = real  # type: ignore[assignment]
     if rank == 1:
-        objects._header = lambda call, seq, status, size: (
+        exchange._header = lambda call, seq, status, size: (
             b"XXXX" + real(call, seq, status, size)[4:]
         )  # type: ignore[assignment]
     repeat(lambda: bytes(200_000), 1)
-    objects._header = real  # type: ignore[assignment]
+    exchange._header = real  # type: ignore[assignment]
     repeat(lambda: bytes(200_000), 3)
     return outcomes
 

@@ -8,7 +8,7 @@ import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
-from ddpgraph.distributed import objects
+from ddpgraph.distributed import _object_exchange as exchange
 from ddpgraph.distributed.codec import encode
 from ddpgraph.errors import DistributedStateError, ObjectArgumentError
 from ddpgraph.testing import run_distributed
@@ -377,24 +377,24 @@ def test_tensors_and_arrays_of_every_shape_travel_as_raw_bytes_through_every_col
 
 def test_the_slot_guess_uses_only_what_every_rank_saw():
     """The predictor, in one process: keyed on the previous agreed site, confirmed twice."""
-    p = objects._SlotPredictor()
+    p = exchange._SlotPredictor()
     big, small = 300_000, 100
-    assert p.start() == objects._SLOT  # nothing seen yet
-    p.learn(site=1, sizes=[big, small], cap=objects._MAX_LEARNED_SLOT)
-    assert p.start() == objects._SLOT  # after site 1: not seen yet
-    p.learn(site=1, sizes=[big, big], cap=objects._MAX_LEARNED_SLOT)
+    assert p.start() == exchange._SLOT  # nothing seen yet
+    p.learn(site=1, sizes=[big, small], cap=exchange._MAX_LEARNED_SLOT)
+    assert p.start() == exchange._SLOT  # after site 1: not seen yet
+    p.learn(site=1, sizes=[big, big], cap=exchange._MAX_LEARNED_SLOT)
     grown = p.start()
-    assert big + objects._HEADER.size <= grown <= 1.1 * big
-    p.learn(site=1, sizes=[small], cap=objects._MAX_LEARNED_SLOT)  # smaller: used at once
-    assert p.start() == objects._SLOT
-    p.learn(site=1, sizes=[big], cap=objects._MAX_LEARNED_SLOT)  # larger once: not yet
-    assert p.start() == objects._SLOT
+    assert big + exchange._HEADER.size <= grown <= 1.1 * big
+    p.learn(site=1, sizes=[small], cap=exchange._MAX_LEARNED_SLOT)  # smaller: used at once
+    assert p.start() == exchange._SLOT
+    p.learn(site=1, sizes=[big], cap=exchange._MAX_LEARNED_SLOT)  # larger once: not yet
+    assert p.start() == exchange._SLOT
     # a failed call (no learn after start) forgets the previous site
-    assert p.start() == objects._SLOT and p.previous is None
+    assert p.start() == exchange._SLOT and p.previous is None
     # over the op's cap: the default slot, never a partial one
-    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
+    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
     p.learn(site=3, sizes=[big], cap=256 << 10)
-    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
+    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
     p.learn(site=3, sizes=[big * 2], cap=256 << 10)
-    p.learn(site=2, sizes=[1], cap=objects._MAX_LEARNED_SLOT)
-    assert p.start() == objects._SLOT
+    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
+    assert p.start() == exchange._SLOT

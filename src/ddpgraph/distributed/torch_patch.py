@@ -22,7 +22,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .objects import DEFAULT_MAX_BYTES, _Call, _decode_from, _exchange
+from ._object_call import DEFAULT_MAX_BYTES, _Call
+from ._object_exchange import _decode_from, _exchange
 
 __all__ = ["is_patched", "patch_torch", "unpatch"]
 
