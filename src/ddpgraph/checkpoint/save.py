@@ -142,7 +142,7 @@ def save_checkpoint(
     error = _commit_on_rank0(save)
     if save.distributed:
         # every rank learns whether rank 0's commit worked, so all raise alike or none does
-        from .dist.objects import broadcast_object
+        from ..dist.objects import broadcast_object
 
         error = broadcast_object(error, src=0)
     if error is not None:
@@ -261,7 +261,7 @@ def _agreed_partial_name(step: int, distributed: bool) -> str:
     name = f".{step_dir_name(step)}.partial-{uuid.uuid4().hex[:8]}"
     if not distributed:
         return name
-    from .dist.objects import all_gather_object
+    from ..dist.objects import all_gather_object
 
     proposals = all_gather_object((step, name))
     steps = [s for s, _ in proposals]

@@ -14,7 +14,7 @@ from torch import nn
 from .._checks import is_int, is_number
 from .._frames import PACKAGE_DIR, frame_outside, in_directories
 from ..errors import ConfigError, DeviceConflictError
-from .parallel import check_not_wrapped
+from .parallel import PARALLEL_CHOICES, ParallelMode, check_not_wrapped
 from .precision import amp_dtype, check_scaler_options
 
 __all__ = [
@@ -46,8 +46,16 @@ class StepOptions:
     grad_scaler: Mapping[str, float] | None = None
     accumulate_calls: int = 1
     steps_per_replay: int = 1
+    parallel: ParallelMode = "auto"
 
     def __post_init__(self) -> None:
+        _check_choice("parallel", self.parallel, PARALLEL_CHOICES)
+        if self.parallel == "fsdp2" and self.compile:
+            raise ConfigError(
+                f"compile={self.compile!r} with parallel='fsdp2': torch.compile around FSDP2's "
+                "root does not compose with its hooks inside one graph; compile each block "
+                "before fully_shard (torchtitan's way: block.compile()) and pass compile=False."
+            )
         if not is_int(self.accumulate_calls) or self.accumulate_calls < 1:
             raise ConfigError(
                 f"accumulate_calls={self.accumulate_calls!r} must be an integer >= 1."

@@ -30,7 +30,7 @@ from .options import (
     check_optimizer,
     model_device,
 )
-from .parallel import unwrap, wrap
+from .parallel import ParallelMode, unwrap, wrap
 from .policy import CapturePolicy, build_graphs
 from .precision import precision_for
 from .report import Phase, StepReport
@@ -94,10 +94,22 @@ class TrainStep:
         steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
         engine: what makes the graphs: CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()``
             runs the real capture policy on the CPU (tests, dry runs).
+        parallel: "auto" (DDP with a process group; FSDP2 for a model sharded with
+            ``fully_shard``), "ddp", or "fsdp2": shard a plain model with FSDP2 here
+            (``fully_shard`` each block with parameters of every ``nn.ModuleList`` /
+            ``nn.Sequential``, then the model; see ``ddpgraph.step.parallel.fsdp2.shard_blocks``).
 
     With a process group the model is wrapped in DDP (``step.model``), on the capture stream;
     pass the bare module. With DDP's ``broadcast_buffers`` each step ends by broadcasting rank
     0's buffers, so :meth:`evaluate` sees on every rank what DDP's own eval forward would.
+
+    FSDP2: a model the script sharded with ``fully_shard`` (its own blocks, mesh,
+    ``MixedPrecisionPolicy``, ``reshard_after_forward``; the root sharded last) is used as it is,
+    never wrapped in DDP; the whole step (all-gathers, reduce-scatters, clipping over the DTensor
+    gradients, the optimizer on the shards) is one graph. FSDP2 does not broadcast buffers
+    (BatchNorm statistics stay per rank, as in a plain FSDP2 loop). Under graphs it refuses, with
+    the reason: ``CPUOffloadPolicy``, SGD, ``amp="fp16"``, and ``compile=True`` (compile the blocks
+    before sharding). Checkpoints save DTensor shards (:func:`ddpgraph.save_checkpoint`).
     """
 
     def __init__(
@@ -120,10 +132,11 @@ class TrainStep:
         accumulate_calls: int = 1,
         steps_per_replay: int = 1,
         engine: GraphEngine | None = None,
+        parallel: ParallelMode = "auto",
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
-            channels_last, grad_scaler, accumulate_calls, steps_per_replay,
+            channels_last, grad_scaler, accumulate_calls, steps_per_replay, parallel,
         )  # fmt: skip
         check_model(model)
         check_optimizer(optimizer, model)
@@ -138,7 +151,7 @@ class TrainStep:
         kwargs = dict(ddp_kwargs or {})
         self._precision = precision_for(options.amp, device, options.grad_scaler)
         self._body = StepBody(
-            wrap(_compiled(model, compile) if compile else model, device, stream, kwargs),
+            wrap(_compiled(model, compile) if compile else model, device, stream, kwargs, parallel),
             optimizer,
             loss_fn,
             self._precision,
@@ -147,8 +160,16 @@ class TrainStep:
             clip_grad_norm=clip_grad_norm,
             channels_last=channels_last,
         )
+        self._body.parallel.take_optimizer(optimizer)  # FSDP2 sharding replaced the parameters
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
-        graphs = build_graphs(engine, options, device, self._parameters, optimizer)
+        # what the wrapper cannot capture (FSDP2: CPU offload, SGD on DTensors), before the
+        # optimizer is made graph-safe
+        problem = (
+            None
+            if graph == "never"
+            else self._body.parallel.capture_problem(optimizer, fp16=options.amp == "fp16")
+        )
+        graphs = problem or build_graphs(engine, options, device, self._parameters, optimizer)
         self._policy = CapturePolicy(
             options,
             self._body,
@@ -156,7 +177,7 @@ class TrainStep:
             device=device,
             stream=stream,
             submodules=list(model.modules()),
-            rewrap=lambda: wrap(model, device, stream, kwargs),
+            rewrap=lambda: wrap(model, device, stream, kwargs, parallel),
             report=self._report,
         )
         self._module = model
@@ -166,7 +187,7 @@ class TrainStep:
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(self._watch_replay)
         if isinstance(graphs, str):
-            self._policy.enter_eager(graphs, warn=stream is not None)
+            self._policy.enter_eager(graphs, warn=stream is not None or problem is not None)
         self._report.mode = self.mode
 
     # ----------------------------------------------------------------- public
