@@ -102,6 +102,14 @@ def cli(debug: bool) -> None:
     help="With the data on the device: training steps per graph replay (more helps models "
     "whose step is shorter than its host work, and slows GPU-bound ones: see the docs).",
 )
+@click.option(
+    "--parallel",
+    type=click.Choice(["ddp", "fsdp2"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp2: shard the model with FSDP2 (fully_shard per block, then the root) and train "
+    "with AdamW at --lr/50 (SGD on DTensor shards cannot be captured).",
+)
 def train(
     model: str,
     steps: int,
@@ -117,6 +125,7 @@ def train(
     max_restarts: int,
     data: str,
     steps_per_replay: int,
+    parallel: str,
 ) -> None:
     """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
     from .demo.launch import launch_training
@@ -136,6 +145,7 @@ def train(
         max_restarts=max_restarts,
         data=data,
         steps_per_replay=steps_per_replay,
+        parallel=parallel,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
 
@@ -195,6 +205,14 @@ def train(
     show_default=True,
     help="JSON file; the .md table and .png chart are written beside it.",
 )
+@click.option(
+    "--parallel",
+    type=click.Choice(["ddp", "fsdp2"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp2: the FSDP2 (fully_shard) modes instead: eager FSDP2, forward+backward graphed "
+    "(torchtitan's way), TrainStep's whole-step graph; configs transformer, transformer-large.",
+)
 def bench(
     configs: tuple[str, ...],
     modes: tuple[str, ...],
@@ -204,11 +222,17 @@ def bench(
     varlen: bool,
     hf: tuple[str, ...],
     out: Path,
+    parallel: str,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
     problem = _unwritable_file(out)
     if problem:  # found now, not after the whole run has been measured
         raise click.BadParameter(problem, param_hint="'--out'")
+    if parallel == "fsdp2":
+        from .bench.fsdp2 import run_fsdp2
+
+        run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
+        return
     if varlen and hf:
         from .bench.hf import ARCHITECTURES, run_hf
 
