@@ -238,3 +238,20 @@ def load_params(directory: str) -> dict:
         "exp_avg": exp_avg,
         "steps": step.report().steps,
     }
+
+
+def capture_while_unsharding() -> None:
+    """An all-gather left pending by the script (``unshard(async_op=True)``) when the step is
+    due to capture: refused, naming it."""
+    model = shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), warmup=3, engine=CpuGraphs())
+    x, y = batches(1)[0]
+    for _ in range(3):
+        step(x, y)
+    handle = model.unshard(async_op=True)  # type: ignore[operator]
+    try:
+        step(x, y)  # the capture
+    finally:
+        if handle is not None:
+            handle.wait()

@@ -115,3 +115,29 @@ def test_a_checkpoint_of_two_ranks_loads_onto_three(tmp_path):
     # loaded then stepped once: the whole parameters are equal on the three ranks
     for r in loaded[1:]:
         _same(r["params"], loaded[0]["params"])
+
+
+def test_a_capture_with_fsdp2_work_pending_is_refused_naming_it_on_every_rank():
+    results = run_distributed(w.capture_while_unsharding, 2, timeout=200, return_exceptions=True)
+    assert_same_error_everywhere(results, CaptureError, "FSDP2 is not idle", "all gather result")
+
+
+def test_expandable_segments_with_nccl_graph_registration_is_refused_with_the_fix(monkeypatch):
+    from ddpgraph.dist import runtime
+    from ddpgraph.step import parallel
+
+    monkeypatch.setattr(parallel, "_uses_nccl", lambda: True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64,expandable_segments:True")
+    monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    with pytest.raises(ConfigError, match="NCCL_GRAPH_REGISTER=0"):
+        parallel.check_graph_registration(torch.device("cuda", 0))
+    parallel.check_graph_registration(torch.device("cpu"))  # gloo on CPU: no NCCL, no graphs
+    # ddpgraph.init() sets it before it creates an NCCL group, unless the user chose
+    runtime._no_graph_registration_with_expandable_segments()
+    assert runtime.os.environ["NCCL_GRAPH_REGISTER"] == "0"
+    parallel.check_graph_registration(torch.device("cuda", 0))
+    monkeypatch.setenv("NCCL_GRAPH_REGISTER", "1")
+    runtime._no_graph_registration_with_expandable_segments()
+    assert runtime.os.environ["NCCL_GRAPH_REGISTER"] == "1"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    parallel.check_graph_registration(torch.device("cuda", 0))

@@ -83,7 +83,10 @@ def _sharded(cfg: BenchConfig, device: torch.device) -> tuple[nn.Module, torch.o
 
 
 def _autocast(cfg: BenchConfig, device: torch.device) -> Any:
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16")
+    # no weight-cast cache: a cache filled during capture would point at freed memory
+    return torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16", cache_enabled=False
+    )
 
 
 def _eager(cfg: BenchConfig, device: torch.device, batches: list) -> Callable[[], Any]:
