@@ -167,6 +167,10 @@ def refuse(case: str) -> None:
         shard(model)
         opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         TrainStep(model, opt, nn.CrossEntropyLoss(), graph="always", engine=CpuGraphs())
+    elif case == "accumulate_calls_3":
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters())
+        TrainStep(model, opt, graph="always", accumulate_calls=3, engine=CpuGraphs())
     elif case == "fp16":
         shard(model)
         opt = torch.optim.AdamW(model.parameters())

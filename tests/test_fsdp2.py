@@ -75,6 +75,7 @@ def test_grad_norm_over_dtensor_gradients_is_a_plain_tensor_and_eval_matches_the
     [
         ("sgd", CaptureError, "SGD on FSDP2's DTensor shards"),
         ("fp16", CaptureError, "amp='fp16' with FSDP2"),
+        ("accumulate_calls_3", CaptureError, "use accumulate=k"),
         ("offload", CaptureError, "CPUOffloadPolicy"),
         ("ddp_on_sharded", ConfigError, "got a model sharded with fully_shard"),
         ("root_not_sharded", ConfigError, "call fully_shard(model) last"),
@@ -141,3 +142,22 @@ def test_expandable_segments_with_nccl_graph_registration_is_refused_with_the_fi
     assert runtime.os.environ["NCCL_GRAPH_REGISTER"] == "1"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     parallel.check_graph_registration(torch.device("cuda", 0))
+
+
+def test_bench_parallel_fsdp2_takes_its_configs_and_refuses_the_ddp_ones(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from ddpgraph import cli
+    from ddpgraph.bench import fsdp2
+
+    seen = {}
+    monkeypatch.setattr(fsdp2, "run_fsdp2", lambda names, **kw: seen.update(names=names, **kw))
+    out = str(tmp_path / "b.json")
+    args = ["bench", "--parallel", "fsdp2", "--config", "transformer"]
+    result = CliRunner().invoke(cli.cli, [*args, "--config", "transformer-large", "--out", out])
+    assert result.exit_code == 0, result.output
+    assert seen["names"] == ["transformer", "transformer-large"]
+    refused = CliRunner().invoke(cli.cli, ["bench", "--parallel", "fsdp2", "--config", "mlp"])
+    assert refused.exit_code == 2 and "--parallel fsdp2 runs" in refused.output
+    refused = CliRunner().invoke(cli.cli, ["bench", "--config", "transformer-large"])
+    assert refused.exit_code == 2 and "add --parallel fsdp2" in refused.output

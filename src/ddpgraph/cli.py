@@ -154,9 +154,9 @@ def train(
 @click.option(
     "--config",
     "configs",
-    type=click.Choice(["mlp", "transformer", "resnet50", "resnet50-b256"]),
+    type=click.Choice(["mlp", "transformer", "resnet50", "resnet50-b256", "transformer-large"]),
     multiple=True,
-    help="Configs to run (repeatable) [default: all].",
+    help="Configs to run (repeatable) [default: all]; transformer-large with --parallel fsdp2.",
 )
 @click.option(
     "--mode",
@@ -229,7 +229,14 @@ def bench(
     if problem:  # found now, not after the whole run has been measured
         raise click.BadParameter(problem, param_hint="'--out'")
     if parallel == "fsdp2":
-        from .bench.fsdp2 import run_fsdp2
+        from .bench.fsdp2 import FSDP2_CONFIGS, run_fsdp2
+
+        other = sorted(set(configs) - set(FSDP2_CONFIGS))
+        if other:
+            raise click.BadParameter(
+                f"{other} are DDP configs; --parallel fsdp2 runs {sorted(FSDP2_CONFIGS)}",
+                param_hint="'--config'",
+            )
 
         run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
         return
@@ -249,6 +256,10 @@ def bench(
 
         run_varlen(repeats=repeats, quick=quick, out=out)
         return
+    if "transformer-large" in configs:
+        raise click.BadParameter(
+            "transformer-large is an FSDP2 config; add --parallel fsdp2", param_hint="'--config'"
+        )
     from .bench import run_bench
 
     run_bench(

@@ -30,15 +30,24 @@ def _same(a, b):
         ("foreach", 1, None, True, False),
         ("foreach", 1, 0.5, False, True),
         ("foreach", 2, 1.0, False, False),
-        ("fused", 3, 1.0, True, False),
+        ("fused", 2, 1.0, True, False),
     ],
-    ids=["foreach-clip", "fused-clip", "mp-bf16", "amp-bf16", "accumulate-2", "fused-mp-acc-3"],
+    ids=["foreach-clip", "fused-clip", "mp-bf16", "amp-bf16", "accumulate-2", "fused-mp-acc-2"],
 )
 def test_graphed_fsdp2_step_is_bitwise_the_eager_fsdp2_loop(rt, kind, calls, clip, mp, amp):
     r = w.graphed_vs_eager(20, kind, calls, clip, mp, amp)
     assert r["phase"] == "graphed" and r["replays"] >= 5 * calls
     assert r["graphed"] == r["eager"]
     _same(r["graphed_params"], r["eager_params"])
+
+
+def test_three_accumulate_calls_on_fsdp2_run_eagerly_with_the_reason(rt):
+    # measured: one graph for every micro-batch of a window drifted from eager FSDP2 (the first
+    # creates FSDP2's unsharded accumulator, the later ones add to it)
+    model = w.sharded(mp=True)
+    opt = w.adamw(model, "fused", graph_safe=False)
+    with pytest.raises(CaptureError, match="accumulate_calls=3 with FSDP2"):
+        TrainStep(model, opt, nn.CrossEntropyLoss(), accumulate_calls=3, graph="always")
 
 
 def test_steps_per_replay_on_fsdp2_is_bitwise_the_eager_trainstep(rt):

@@ -108,8 +108,9 @@ class TrainStep:
     never wrapped in DDP; the whole step (all-gathers, reduce-scatters, clipping over the DTensor
     gradients, the optimizer on the shards) is one graph. FSDP2 does not broadcast buffers
     (BatchNorm statistics stay per rank, as in a plain FSDP2 loop). Under graphs it refuses, with
-    the reason: ``CPUOffloadPolicy``, SGD, ``amp="fp16"``, and ``compile=True`` (compile the blocks
-    before sharding). Checkpoints save DTensor shards (:func:`ddpgraph.save_checkpoint`).
+    the reason: ``CPUOffloadPolicy``, SGD, ``amp="fp16"``, ``accumulate_calls`` above 2 (use
+    ``accumulate=k``), and ``compile=True`` (compile the blocks before sharding). Checkpoints
+    save DTensor shards (:func:`ddpgraph.save_checkpoint`).
     """
 
     def __init__(
@@ -167,7 +168,9 @@ class TrainStep:
         problem = (
             None
             if graph == "never"
-            else self._body.parallel.capture_problem(optimizer, fp16=options.amp == "fp16")
+            else self._body.parallel.capture_problem(
+                optimizer, fp16=options.amp == "fp16", accumulate_calls=accumulate_calls
+            )
         )
         graphs = problem or build_graphs(engine, options, device, self._parameters, optimizer)
         self._policy = CapturePolicy(

@@ -70,7 +70,9 @@ class DataParallel:
         """The warm-up rule (ddpgraph.facts) at this wrapper's sample rate."""
         return ddp_count_allows_capture(forwards, self.sample_rate)
 
-    def capture_problem(self, optimizer: torch.optim.Optimizer, *, fp16: bool) -> str | None:
+    def capture_problem(
+        self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
+    ) -> str | None:
         """Why this wrapper's step cannot be captured with ``optimizer`` (the run stays eager
         with this reason; ``graph="always"`` raises it), or None."""
         return None

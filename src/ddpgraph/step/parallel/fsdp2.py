@@ -150,8 +150,11 @@ class FSDP2(DataParallel):
         every_ok, none_dirty = flags.tolist()
         return bool(every_ok), not none_dirty
 
-    def capture_problem(self, optimizer: torch.optim.Optimizer, *, fp16: bool) -> str | None:
-        """What FSDP2 cannot capture: CPU offload (host syncs), SGD on DTensor shards, fp16."""
+    def capture_problem(
+        self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
+    ) -> str | None:
+        """What FSDP2 cannot capture: CPU offload (host syncs), SGD on DTensor shards, fp16,
+        more than two accumulate_calls."""
         offloaded = _offloading(self.module)
         if offloaded:
             return (
@@ -164,6 +167,15 @@ class FSDP2(DataParallel):
                 "SGD on FSDP2's DTensor shards cannot be stepped inside a CUDA graph (its fused "
                 "kernel has no DTensor rule, its foreach kernel reads a tensor LR on the host); "
                 "use torch.optim.AdamW or Adam (capturable on DTensors), or pass graph='never'"
+            )
+        if accumulate_calls > 2:
+            # measured on an H200 (MixedPrecisionPolicy bf16, fused AdamW, accumulate_calls=3):
+            # the replays drifted from eager FSDP2 after the first window
+            return (
+                f"accumulate_calls={accumulate_calls} with FSDP2: the first micro-batch of a "
+                "window creates FSDP2's unsharded gradient accumulator and the later ones add to "
+                "it (host-side branches), but every micro-batch replays one graph; use "
+                "accumulate=k (one call split in k, captured as one graph) or accumulate_calls=2"
             )
         if fp16:
             return (
