@@ -215,15 +215,16 @@ def async_save_then_shutdown(path: str) -> str | None:
 def load_with_one_rank_seeing_damage(directory: str, total: int, seer: int) -> dict:
     """As :func:`load_then_finish`, but rank ``seer`` alone finds the newest checkpoint damaged
     (as a rank with a stale file-system cache might): every rank must load the same older one."""
-    from ddpgraph import checkpoint
+    from ddpgraph.checkpoint import layout
+    from ddpgraph.checkpoint import load as loading  # where load_checkpoint looks it up
 
-    newest = checkpoint.step_dirs(directory)[0]
-    real = checkpoint.checkpoint_problem
+    newest = layout.step_dirs(directory)[0]
+    real = loading.checkpoint_problem
     if torch.distributed.get_rank() == seer:
-        checkpoint.checkpoint_problem = (  # type: ignore[assignment]
+        loading.checkpoint_problem = (  # type: ignore[assignment]
             lambda path: "seen damaged here" if path == newest else real(path)
         )
     try:
         return load_then_finish(directory, total)
     finally:
-        checkpoint.checkpoint_problem = real  # type: ignore[assignment]
+        loading.checkpoint_problem = real  # type: ignore[assignment]

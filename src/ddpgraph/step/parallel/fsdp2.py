@@ -254,7 +254,8 @@ def fsdp2_pending(root: nn.Module) -> list[str]:
                     pending.append(f"{where}: {attr.lstrip('_').replace('_', ' ')}")
             if group._training_state.name != "IDLE":
                 pending.append(f"{where}: parameter group in state {group._training_state.name}")
-    ctx = getattr(_states(root)[0], "_comm_ctx", None) if _states(root) else None
+    states = _states(root)  # one communication context, shared by every state of the root
+    ctx = getattr(states[0], "_comm_ctx", None) if states else None
     if ctx is not None:
         if getattr(ctx, "all_gather_state", None) is not None:
             pending.append("the last all-gather's buffer (comm_ctx.all_gather_state)")
