@@ -131,6 +131,14 @@ def cli(debug: bool) -> None:
     help="With the data on the device: training steps per graph replay (more helps models "
     "whose step is shorter than its host work, and slows GPU-bound ones: see the docs).",
 )
+@click.option(
+    "--parallel",
+    type=click.Choice(["ddp", "fsdp2"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp2: shard the model with FSDP2 (fully_shard per block, then the root) and train "
+    "with AdamW at --lr/50 (SGD on DTensor shards cannot be captured).",
+)
 def train(
     model: str,
     steps: int,
@@ -146,6 +154,7 @@ def train(
     max_restarts: int,
     data: str,
     steps_per_replay: int,
+    parallel: str,
 ) -> None:
     """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
     from .demo.launch import launch_training
@@ -165,6 +174,7 @@ def train(
         max_restarts=max_restarts,
         data=data,
         steps_per_replay=steps_per_replay,
+        parallel=parallel,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
 
@@ -173,9 +183,9 @@ def train(
 @click.option(
     "--config",
     "configs",
-    type=click.Choice(["mlp", "transformer", "resnet50", "resnet50-b256"]),
+    type=click.Choice(["mlp", "transformer", "resnet50", "resnet50-b256", "transformer-large"]),
     multiple=True,
-    help="Configs to run (repeatable) [default: all].",
+    help="Configs to run (repeatable) [default: all]; transformer-large with --parallel fsdp2.",
 )
 @click.option(
     "--mode",
@@ -225,6 +235,14 @@ def train(
     "beside it. A run replaces the whole set, and refuses a file of another kind of run "
     "[default: benchmarks/results/bench.json, varlen.json with --varlen, hf.json with --hf].",
 )
+@click.option(
+    "--parallel",
+    type=click.Choice(["ddp", "fsdp2"]),
+    default="ddp",
+    show_default=True,
+    help="fsdp2: the FSDP2 (fully_shard) modes instead: eager FSDP2, forward+backward graphed "
+    "(torchtitan's way), TrainStep's whole-step graph; configs transformer, transformer-large.",
+)
 @click.pass_context
 def bench(
     ctx: click.Context,
@@ -236,13 +254,24 @@ def bench(
     varlen: bool,
     hf: tuple[str, ...],
     out: Path | None,
+    parallel: str,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
-    kind = "hf" if hf else "varlen" if varlen else "bench"
+    kind = "fsdp2" if parallel == "fsdp2" else "hf" if hf else "varlen" if varlen else "bench"
     _refuse_ignored_options(ctx, kind)
     out = out or Path(f"benchmarks/results/{kind}.json")
     _prepare_result_set(out, kind)  # found now, not after the whole run has been measured
-    if kind == "hf":
+    if kind == "fsdp2":
+        from .bench.fsdp2 import FSDP2_CONFIGS, run_fsdp2
+
+        other = sorted(set(configs) - set(FSDP2_CONFIGS))
+        if other:
+            raise click.BadParameter(
+                f"{other} are DDP configs; --parallel fsdp2 runs {sorted(FSDP2_CONFIGS)}",
+                param_hint="'--config'",
+            )
+        run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
+    elif kind == "hf":
         from .bench.hf import ARCHITECTURES, run_hf
 
         names = [n for n in hf if n != "all"] or None
@@ -257,6 +286,11 @@ def bench(
 
         run_varlen(repeats=repeats, quick=quick, out=out)
     else:
+        if "transformer-large" in configs:
+            raise click.BadParameter(
+                "transformer-large is an FSDP2 config; add --parallel fsdp2",
+                param_hint="'--config'",
+            )
         from .bench import run_bench
 
         run_bench(
@@ -278,8 +312,14 @@ _BENCH_OPTIONS = {
     "bench": {"configs", "modes", "steps", "quick"},
     "varlen": {"varlen", "quick"},
     "hf": {"varlen", "hf", "steps"},
+    "fsdp2": {"configs", "steps", "quick"},
 }
-_BENCH_RUNS = {"bench": "ddpgraph bench", "varlen": "--varlen", "hf": "--varlen --hf"}
+_BENCH_RUNS = {
+    "bench": "ddpgraph bench",
+    "varlen": "--varlen",
+    "hf": "--varlen --hf",
+    "fsdp2": "--parallel fsdp2",
+}
 
 
 def _refuse_ignored_options(ctx: click.Context, kind: str) -> None:
@@ -309,7 +349,9 @@ def _flag(ctx: click.Context, name: str) -> str:
 
 def _result_set(out: Path, kind: str) -> list[Path]:
     """The files of one run: the JSON, and for a plain run its table and chart beside it."""
-    return [out, out.with_suffix(".md"), out.with_suffix(".png")] if kind == "bench" else [out]
+    if kind == "bench":
+        return [out, out.with_suffix(".md"), out.with_suffix(".png")]
+    return [out, out.with_suffix(".md")] if kind == "fsdp2" else [out]
 
 
 def _prepare_result_set(out: Path, kind: str) -> None:
@@ -348,6 +390,8 @@ def _result_kind(path: Path) -> str | None:
         return "a file that is not a ddpgraph bench result"
     if not isinstance(data, dict):
         return "a file that is not a ddpgraph bench result"
+    if data.get("parallel") == "fsdp2":
+        return "fsdp2"
     if "configs" in data:
         return "bench"
     if "batches" in data:

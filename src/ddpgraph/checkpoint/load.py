@@ -32,6 +32,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     loader: Any = None,
+    reshard: bool = False,
 ) -> dict[str, Any]:
     """Load the newest committed checkpoint in ``directory`` (or that checkpoint directory itself).
 
@@ -48,6 +49,12 @@ def load_checkpoint(
     Returns ``{"step": ..., "path": ..., **extra}``. Raises :class:`CheckpointError` when there is
     no checkpoint, none loads (naming each with its reason), or the one to load was saved by
     another world size or for another model (naming the mismatching keys or shapes). Non-tensor values are unpickled: load only checkpoints you trust.
+
+    ``reshard=True`` loads a checkpoint saved by another world size: model and optimizer (DCP
+    reshards FSDP2's DTensor shards to this job's ranks; DDP's state is whole on every rank),
+    scheduler and the TrainStep's counters. Each rank's RNG states and data position were saved
+    per rank and have no counterpart here: they are left as they are, so the run continues, it
+    does not resume exactly.
     """
     parts = _resolve("load_checkpoint", train_step, model, optimizer, scheduler, loader)
     wait_for_pending_save()
@@ -63,13 +70,18 @@ def load_checkpoint(
     for path, problem in candidates:
         if problem is None:
             manifest = read_manifest(path)  # checked on every rank above
-            if manifest["world_size"] != world_size:
+            other_world = manifest["world_size"] != world_size
+            if other_world and not reshard:
                 raise CheckpointError(
                     f"{path} was saved by {manifest['world_size']} rank(s), this job has "
                     f"{world_size}; resume with {manifest['world_size']} ranks (e.g. --nproc "
-                    f"{manifest['world_size']}): RNG states and data positions are per rank."
+                    f"{manifest['world_size']}): RNG states and data positions are per rank "
+                    "(or pass reshard=True to load model, optimizer and counters alone)."
                 )
             state = _live_state(parts, rank)  # creates optimizer state that does not exist yet
+            if other_world:  # per-rank entries: saved for other ranks
+                state.pop("rng")
+                state.pop("loader", None)
             if before is None:
                 before = tensor_slots(parts.optimizer) if parts.optimizer is not None else {}
             _raise_on_any_rank(_misfit(path, state), distributed)
@@ -243,6 +255,7 @@ def _apply(
         # after the in-place loads: the graphs re-read the optimizer's LR tensors, the feed the
         # scheduler's count, fp16 its loss scale
         parts.train_step.load_extra_state(_opened(state["train_step"]))
-    if parts.loader is not None:
+    if parts.loader is not None and "loader" in state:
         parts.loader.load_state_dict(_opened(state["loader"][f"rank{rank}"]))
-    _set_rng_state(_opened(state["rng"][f"rank{rank}"]))
+    if "rng" in state:
+        _set_rng_state(_opened(state["rng"][f"rank{rank}"]))

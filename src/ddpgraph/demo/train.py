@@ -45,7 +45,7 @@ LOG_EVERY = 20  # steps between loss read-backs: the only host syncs in the loop
 KEEP_LAST = 2  # checkpoints kept: the newest, and one more in case it is damaged later
 # Options a resumed run must share with the run that saved the checkpoint: each changes what
 # the remaining steps compute (--steps sets the cosine schedule's length).
-SAME_ON_RESUME = ("model", "steps", "batch_size", "lr", "seed")
+SAME_ON_RESUME = ("model", "steps", "batch_size", "lr", "seed", "parallel")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class TrainConfig:
     max_restarts: int = 0
     data: str = "auto"  # "device" (DeviceData), "loader" (DataLoader + prefetch), "auto"
     steps_per_replay: int = 2  # with device data: steps per replay (more slows GPU-bound models)
+    parallel: str = "ddp"  # "fsdp2": sharded per block with fully_shard (TrainStep(parallel=))
 
     @property
     def checkpoints(self) -> Path:
@@ -178,10 +179,18 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
     return metrics
 
 
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    """SGD with momentum; AdamW for FSDP2 (SGD on DTensor shards cannot be captured), at the
+    LR that --lr means for SGD divided by 50 (Adam's steps are about that much larger)."""
+    if config.parallel == "fsdp2":
+        return torch.optim.AdamW(model.parameters(), lr=config.lr / 50)
+    return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+
+
 def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     model = build_model(config.model).to(rt.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=0.9)
+    optimizer = _optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=config.steps)
     feed = _Feed(config, rt)
     step = TrainStep(
@@ -191,6 +200,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         scheduler=scheduler,
         channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
         steps_per_replay=feed.steps_per_call,
+        parallel="fsdp2" if config.parallel == "fsdp2" else "auto",
     )
     losses = _LossLog(rt.device)
     curve: list[float] = []
@@ -337,10 +347,13 @@ def _is_save_point(config: TrainConfig, done: int) -> bool:
 def parameter_hash(model: nn.Module) -> str:
     """SHA-256 over the model's state_dict: each key, dtype, shape and the tensor's bytes on CPU.
 
-    Equal hashes mean bitwise-equal parameters and buffers (memory layout aside).
+    Equal hashes mean bitwise-equal parameters and buffers (memory layout aside). FSDP2's
+    DTensor shards are gathered whole (a collective: every rank calls this).
     """
     digest = hashlib.sha256()
     for key, tensor in model.state_dict().items():
+        whole = getattr(tensor, "full_tensor", None)
+        tensor = whole() if whole is not None else tensor
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         digest.update(f"{key}|{flat.dtype}|{tuple(tensor.shape)}|".encode())
         digest.update(flat.view(torch.uint8).numpy().tobytes())

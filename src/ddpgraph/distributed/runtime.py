@@ -26,7 +26,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from .. import _globals
 from .._globals import Global, process_global
-from .._log import configure_logging
+from .._log import configure_logging, get_logger
 from ..errors import (
     CollectiveTimeout,
     ConfigError,
@@ -380,6 +380,24 @@ def device_identity(device: torch.device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def _no_graph_registration_with_expandable_segments() -> None:
+    """NCCL registers the buffers of captured collectives; with ``expandable_segments:True``
+    that crashes replays (illegal memory access, pytorch#158029). NCCL reads the variable when
+    the communicator is made, so it is set here, before the group exists, unless the user chose."""
+    if expandable_segments_on() and "NCCL_GRAPH_REGISTER" not in os.environ:
+        os.environ["NCCL_GRAPH_REGISTER"] = "0"
+        get_logger().info("NCCL_GRAPH_REGISTER=0: expandable_segments:True is on (pytorch#158029)")
+
+
+def expandable_segments_on() -> bool:
+    """Whether PyTorch's CUDA allocator grows segments (``expandable_segments:True``)."""
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        options = os.environ.get(var, "").replace(" ", "").lower().split(",")
+        if "expandable_segments:true" in options:
+            return True
+    return False
+
+
 def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, Store]:
     launch = read_launch_env()
     name = resolve_backend(backend)
@@ -396,6 +414,8 @@ def _new_group(backend: str | None, timeout: timedelta) -> tuple[Runtime, Store]
     check_unique_devices(
         store, launch.rank, launch.world_size, device, key=generation, timeout=timeout
     )
+    if name == "nccl":
+        _no_graph_registration_with_expandable_segments()
     dist.init_process_group(
         name,
         # torch names the group "0" again after destroy_process_group, and torchrun's store

@@ -43,6 +43,7 @@ class StepBody:
         options: StepOptions,
     ) -> None:
         self.parallel = parallel
+        parallel.take_optimizer(optimizer)  # FSDP2's sharding replaced the parameters
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.precision = precision

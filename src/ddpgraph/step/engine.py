@@ -10,8 +10,14 @@ import torch
 from .graphs import Graphs, Parameters, capture_stream
 from .optim import graph_safety_problem, plan_graph_safety
 from .options import StepOptions, warn_at_user_line
+from .parallel import DataParallel
 
-__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "GraphEngine", "build_graphs"]
+__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "GraphEngine", "NoCuda", "build_graphs"]
+
+
+class NoCuda(str):
+    """The reason a step on the CPU has no graphs: recorded in the report, not warned about (a
+    CPU run is eager by design), unlike a reason that would hold on CUDA too."""
 
 
 class GraphEngine(Protocol):
@@ -51,6 +57,7 @@ def build_graphs(
     engine: GraphEngine | None,
     options: StepOptions,
     device: torch.device,
+    parallel: DataParallel,
     parameters: Parameters,
     optimizer: torch.optim.Optimizer,
 ) -> Graphs | str:
@@ -62,10 +69,17 @@ def build_graphs(
     if options.graph == "never":
         return "graph='never'"
     fp16 = options.amp == "fp16"
+    # what the wrapper cannot capture (FSDP2: CPU offload, SGD on DTensors), before the
+    # optimizer is made graph-safe
+    problem = parallel.capture_problem(
+        optimizer, fp16=fp16, accumulate_calls=options.accumulate_calls
+    )
+    if problem is not None:
+        return problem
     if device.type != "cuda":
         problem = graph_safety_problem(optimizer)
         if problem is not None:
             warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
         if engine is None or problem is not None:
-            return f"the model is on {device}, not CUDA"
+            return NoCuda(f"the model is on {device}, not CUDA")
     return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)

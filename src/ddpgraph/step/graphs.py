@@ -292,6 +292,13 @@ class Graphs:
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
 
 
+def _address(tensor: torch.Tensor) -> int:
+    """Where a tensor's values live: a DTensor's (FSDP2's shards) are its local tensor's (its own
+    ``data_ptr()`` is 0)."""
+    local = getattr(tensor, "_local_tensor", None)
+    return (local if local is not None else tensor).data_ptr()
+
+
 def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in parameters if p.requires_grad]
 
@@ -331,7 +338,7 @@ class ReplayGuard:
         self._index_slots()
 
     def _current_params(self) -> list[tuple[int, bool]]:
-        return [(p.data_ptr(), p.requires_grad) for p in self.params]
+        return [(_address(p), p.requires_grad) for p in self.params]
 
     def _index_slots(self) -> None:
         self._state = self.optimizer.state
@@ -344,7 +351,7 @@ class ReplayGuard:
         self._slot_pointers = self._current_slot_pointers()
 
     def _current_slot_pointers(self) -> list[int]:
-        return [state[key].data_ptr() for state, key in self._slots]
+        return [_address(state[key]) for state, key in self._slots]
 
     def check(self) -> GuardFindings:
         found = GuardFindings()
@@ -368,7 +375,7 @@ class ReplayGuard:
     def _restore_optimizer(self, found: GuardFindings) -> None:
         lost = restore_identities(self.optimizer, self._kept)
         self._index_slots()
-        kept = {t.data_ptr() for t in self._kept.values()}
+        kept = {_address(t) for t in self._kept.values()}
         if lost:
             found.changes.append(f"the optimizer's state was replaced ({', '.join(lost[:3])} lost)")
             found.recapture = True
@@ -380,7 +387,7 @@ class ReplayGuard:
 
     def _raise_for_parameter(self) -> None:
         for i, (param, (pointer, _)) in enumerate(zip(self.params, self._params_seen)):
-            if param.data_ptr() != pointer:
+            if _address(param) != pointer:
                 raise CaptureError(
                     f"parameter {i} (shape {tuple(param.shape)}) was replaced since capture, so "
                     "the graph would train the old tensor; change parameters in place "

@@ -14,7 +14,7 @@ from torch import nn
 from .._checks import is_int, is_number
 from .._frames import PACKAGE_DIR, frame_outside, in_directories
 from ..errors import ConfigError, DeviceConflictError
-from .parallel import check_not_wrapped
+from .parallel import PARALLEL_CHOICES, ParallelMode, check_not_wrapped
 from .precision import amp_dtype, check_scaler_options
 
 __all__ = [
@@ -63,6 +63,10 @@ class StepOptions:
             and the gradient sync, and ``step.update()`` clips and steps the optimizer with the
             param-group values (the LR) the script set in between, as llm.c's loop sets the LR
             after its micro-steps. A graph of its own; ``TrainStep.grad_norm`` is set by it.
+        parallel: "auto" (DDP with a process group; FSDP2 for a model sharded with
+            ``fully_shard``), "ddp", or "fsdp2": shard a plain model with FSDP2 here
+            (``fully_shard`` each block with parameters of every ``nn.ModuleList`` /
+            ``nn.Sequential``, then the model; see ``ddpgraph.step.parallel.fsdp2.shard_blocks``).
     """
 
     graph: GraphMode = "auto"
@@ -78,8 +82,16 @@ class StepOptions:
     steps_per_replay: int = 1
     grad_norm: bool = False
     defer_update: bool = False
+    parallel: ParallelMode = "auto"
 
     def __post_init__(self) -> None:
+        _check_choice("parallel", self.parallel, PARALLEL_CHOICES)
+        if self.parallel == "fsdp2" and self.compile:
+            raise ConfigError(
+                f"compile={self.compile!r} with parallel='fsdp2': torch.compile around FSDP2's "
+                "root does not compose with its hooks inside one graph; compile each block "
+                "before fully_shard (torchtitan's way: block.compile()) and pass compile=False."
+            )
         if self.defer_update not in (True, False):
             raise ConfigError(f"defer_update={self.defer_update!r} must be True or False.")
         if self.defer_update and self.steps_per_replay > 1:

@@ -18,7 +18,7 @@ from ..distributed import watchdog
 from ..errors import ConfigError
 from .batch import make_batch
 from .body import LossFn, StepBody
-from .engine import GraphEngine, build_graphs
+from .engine import GraphEngine, NoCuda, build_graphs
 from .feed import DataFeed
 from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
@@ -29,7 +29,7 @@ from .options import (
     check_arguments,
     model_device,
 )
-from .parallel import unwrap, wrap
+from .parallel import ParallelMode, unwrap, wrap
 from .policy import CapturePolicy
 from .precision import precision_for
 from .report import Phase, StepReport
@@ -61,19 +61,15 @@ class TrainStep:
     before each replay and what is re-captured: :mod:`ddpgraph.step.policy`. :meth:`evaluate` runs
     the forward only, graphed after its own warm-up.
 
-    Options (keyword-only, validated here; each documented in
-    :class:`~ddpgraph.step.options.StepOptions`): ``graph``, ``amp``, ``grad_scaler``,
-    ``accumulate``, ``accumulate_calls``, ``clip_grad_norm``, ``grad_norm``, ``on_new_shape``,
-    ``warmup``, ``compile``, ``channels_last``, ``steps_per_replay``, ``defer_update``; and ``ddp_kwargs`` (extra
-    ``DistributedDataParallel`` arguments; ``gradient_as_bucket_view=True`` is the default: it
-    made graphed steps 2-7% faster), ``scheduler`` (an LR scheduler for :meth:`state_dict`; with
-    ``step(data)`` also stepped per training step, ReduceLROnPlateau excepted), ``engine``
-    (CUDA graphs by default; ``ddpgraph.testing.CpuGraphs()`` runs the real capture policy on
-    the CPU, for tests and dry runs).
+    Options (keyword-only, validated here; each documented on
+    :class:`~ddpgraph.step.options.StepOptions`), and ``ddp_kwargs`` (extra DDP arguments;
+    ``gradient_as_bucket_view=True`` by default), ``scheduler`` (in :meth:`state_dict`; stepped per
+    step by ``step(data)``), ``engine`` (CUDA graphs, or ``ddpgraph.testing.CpuGraphs()``).
 
     With a process group the model is wrapped in DDP (``step.model``) on the capture stream;
     pass the bare module. Buffers follow DDP (rank 0's at each step's first forward); a freeze or
     unfreeze (``requires_grad``) rebuilds the DDP over the new trainable set and graphs again.
+    A model sharded with ``fully_shard`` is used as it is (FSDP2: :mod:`.parallel.fsdp2`).
     """
 
     def __init__(
@@ -98,11 +94,12 @@ class TrainStep:
         grad_norm: bool = False,
         engine: GraphEngine | None = None,
         defer_update: bool = False,
+        parallel: ParallelMode = "auto",
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
-            defer_update,
+            defer_update, parallel,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
@@ -113,14 +110,22 @@ class TrainStep:
             model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
         kwargs = dict(ddp_kwargs or {})
         self._precision = precision_for(options.amp, device, options.grad_scaler)
-        parallel = wrap(_compiled(model, compile) if compile else model, device, stream, kwargs)
-        self._body = StepBody(parallel, optimizer, loss_fn, self._precision, options)
+        wrapped = _compiled(model, compile) if compile else model
+        self._body = StepBody(
+            wrap(wrapped, device, stream, kwargs, parallel),
+            optimizer,
+            loss_fn,
+            self._precision,
+            options,
+        )
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
-        graphs = build_graphs(engine, options, device, self._parameters, optimizer)
+        graphs = build_graphs(
+            engine, options, device, self._body.parallel, self._parameters, optimizer
+        )
         self._policy = CapturePolicy(
             options, self._body, graphs if isinstance(graphs, Graphs) else None,
             device=device, stream=stream, submodules=list(model.modules()),
-            rewrap=lambda: wrap(model, device, stream, kwargs), report=self._report,
+            rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=self._report,
         )  # fmt: skip
         on_epoch_end(self._policy.window.warn_at_epoch_end)
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
@@ -129,7 +134,7 @@ class TrainStep:
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):
-            self._policy.enter_eager(graphs, warn=stream is not None)
+            self._policy.enter_eager(graphs, warn=not isinstance(graphs, NoCuda))
         self._report.mode = self.mode
 
     # ----------------------------------------------------------------- public
@@ -187,10 +192,8 @@ class TrainStep:
         return self._policy.train(batch, 1, last=last)
 
     def update(self) -> None:
-        """With ``defer_update=True``: the optimizer step (clip, step, zero the gradients) on the
-        window the calls since the last update synced, in place of the script's
-        ``optimizer.step()``; the param-group values the script set after the last micro-batch
-        (the LR) apply to it. Call on every rank, once per window; graphed like the step."""
+        """``defer_update=True``: the optimizer step on the synced window, in place of the script's
+        ``optimizer.step()``, with the LR the script set since. On every rank, once per window."""
         self._policy.check_open("update()")
         self._policy.update()
 
@@ -205,12 +208,11 @@ class TrainStep:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
         ``step.evaluate(batch)`` (a mapping, passed as ``model(**batch)``); no target.
 
-        What DDP's own eval forward gives on every rank: the first evaluation after a training
-        step starts, as DDP's does, by sending rank 0's buffers (BatchNorm statistics) to every
-        rank, so that call is a collective: make it on every rank. Later calls until the next
-        training step are rank-local (uneven evaluation sets cannot hang). On CUDA
-        it is captured after two eager calls per input signature and replayed; the output is
-        then graph-owned like the loss. Every module's own mode is restored when this returns.
+        What DDP's own eval forward gives: the first evaluation after a training step sends rank
+        0's buffers first, as DDP's does (a collective: call it on every rank); later ones until
+        the next step are rank-local. On CUDA it is captured after two eager calls per input
+        signature and replayed; the output is then graph-owned like the loss. Every module's own
+        mode is restored when this returns.
         """
         self._policy.check_open("evaluate()")
         batch = make_batch(args, min_positional=1)

@@ -1,23 +1,39 @@
 """The data-parallel wrapper behind one interface: the only place that knows which one is in use.
 
-:func:`wrap` picks the implementation: :class:`~.ddp.DDP` (DistributedDataParallel) when a
-process group exists, :class:`~.local.Local` (the module as is) otherwise. The step body, the
-capture policy and checkpoints talk to :class:`DataParallel` alone.
+:func:`wrap` picks the implementation: :class:`~.fsdp2.FSDP2` for a model sharded with
+``fully_shard`` (or with ``parallel="fsdp2"``, sharded here), :class:`~.ddp.DDP`
+(DistributedDataParallel) for any other model when a process group exists, :class:`~.local.Local`
+(the module as is) otherwise. The step body, the capture policy and checkpoints talk to
+:class:`DataParallel` alone.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...distributed.runtime import expandable_segments_on
+from ...errors import ConfigError
 from .base import DataParallel
 from .local import Local
 
-__all__ = ["DataParallel", "check_not_wrapped", "unwrap", "wrap"]
+__all__ = [
+    "PARALLEL_CHOICES",
+    "DataParallel",
+    "ParallelMode",
+    "check_graph_registration",
+    "check_not_wrapped",
+    "unwrap",
+    "wrap",
+]
+
+ParallelMode = Literal["auto", "ddp", "fsdp2"]
+PARALLEL_CHOICES = ("auto", "ddp", "fsdp2")
 
 
 def wrap(
@@ -25,12 +41,45 @@ def wrap(
     device: torch.device,
     stream: torch.cuda.Stream | None,
     ddp_kwargs: Mapping[str, Any],
+    parallel: ParallelMode = "auto",
 ) -> DataParallel:
-    """The wrapper for ``module`` in this process: DDP with a process group, else the module."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The wrapper for ``module`` in this process: FSDP2 for a sharded model (or
+    ``parallel="fsdp2"``), else DDP with a process group, else the module."""
+    from .fsdp2 import FSDP2, find_fsdp2, shard_blocks
+
+    grouped = dist.is_available() and dist.is_initialized()
+    inner = getattr(module, "_orig_mod", module)  # torch.compile's
+    sharded = bool(find_fsdp2(inner))
+    if parallel == "ddp" and sharded:
+        raise ConfigError(
+            "TrainStep(parallel='ddp') got a model sharded with fully_shard; pass "
+            "parallel='fsdp2' (or 'auto'), or pass the model before sharding it."
+        )
+    if parallel == "fsdp2" or sharded:
+        if not grouped:
+            raise ConfigError(
+                "FSDP2 needs a process group (its device mesh spans the ranks); call "
+                "ddpgraph.init() before sharding or building the TrainStep."
+            )
+        if ddp_kwargs:
+            raise ConfigError(
+                f"ddp_kwargs={dict(ddp_kwargs)!r} are DistributedDataParallel's arguments, but "
+                "the model trains with FSDP2; drop them (pass fully_shard's own to fully_shard)."
+            )
+        if module is not inner:
+            raise ConfigError(
+                "compile=True with FSDP2: torch.compile around FSDP2's root does not compose "
+                "with its hooks inside one graph; compile each block before fully_shard "
+                "(torchtitan's way: block.compile()) and pass compile=False."
+            )
+        replaced = None if sharded else shard_blocks(inner)
+        check_graph_registration(device)
+        return FSDP2(module, device, stream, replaced)
+    if not grouped:
         return Local(module)
     from .ddp import DDP
 
+    check_graph_registration(device)
     return DDP(module, device, stream, ddp_kwargs)
 
 
@@ -45,7 +94,44 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def check_not_wrapped(model: object) -> None:
     """Refuse a model the script already wrapped: the wrapping must happen on the capture
-    stream."""
+    stream; refuse FSDP1 (FSDP2's ``fully_shard`` is taken as it is)."""
     from .ddp import check_not_ddp
+    from .fsdp2 import check_not_fsdp1, find_fsdp2
 
+    if isinstance(model, nn.Module) and hasattr(model, "module"):
+        inside = getattr(model, "module", None)
+        if isinstance(inside, nn.Module) and find_fsdp2(inside):
+            raise ConfigError(
+                "the model is both wrapped in DistributedDataParallel and sharded with "
+                "fully_shard; use one of them: pass the fully_shard-ed module without DDP "
+                "(FSDP2 reduces the gradients itself)."
+            )
     check_not_ddp(model)
+    check_not_fsdp1(model)
+
+
+def check_graph_registration(device: torch.device) -> None:
+    """Refuse NCCL + CUDA graphs + ``expandable_segments:True`` with NCCL's graph registration on.
+
+    NCCL registers the buffers a captured collective uses; with segments that grow and unmap
+    that gives illegal memory accesses on Hopper (pytorch#158029; Megatron sets the same
+    variable). ``ddpgraph.init()`` sets ``NCCL_GRAPH_REGISTER=0`` itself before it creates the
+    group when it sees expandable segments; this catches a group the script made itself.
+    """
+    if device.type != "cuda" or not _uses_nccl():
+        return
+    if expandable_segments_on() and os.environ.get("NCCL_GRAPH_REGISTER", "1") != "0":
+        raise ConfigError(
+            "PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True and NCCL registers the "
+            "buffers of captured collectives (NCCL_GRAPH_REGISTER is "
+            f"{os.environ.get('NCCL_GRAPH_REGISTER', 'unset')!r}): replays then crash with "
+            "illegal memory accesses (pytorch#158029). Set NCCL_GRAPH_REGISTER=0 in the "
+            "environment before the process group exists (ddpgraph.init() does it), or drop "
+            "expandable_segments:True."
+        )
+
+
+def _uses_nccl() -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return "nccl" in str(dist.get_backend()).lower()

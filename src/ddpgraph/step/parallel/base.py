@@ -1,4 +1,4 @@
-"""What the step needs from a data-parallel wrapper, stated once (DDP now, FSDP2 next)."""
+"""What the step needs from a data-parallel wrapper, stated once (DDP, FSDP2, none)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ class DataParallel:
     inner: nn.Module
     # DDP's runtime-logging sample rate: the warm-up rule of ddpgraph.facts reads it
     sample_rate: int = DDP_STATS_SAMPLE_RATE
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The script built ``optimizer`` over the module's parameters; a wrapper that replaced
+        them (FSDP2 sharding the model) points it at the new ones."""
 
     # ----------------------------------------------------------------- forward and backward
     def forward_context(
@@ -86,6 +90,13 @@ class DataParallel:
     def count_allows_capture(self, forwards: int) -> bool:
         """The warm-up rule (ddpgraph.facts) at this wrapper's sample rate."""
         return ddp_count_allows_capture(forwards, self.sample_rate)
+
+    def capture_problem(
+        self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
+    ) -> str | None:
+        """Why this wrapper's step cannot be captured with ``optimizer`` (the run stays eager
+        with this reason; ``graph="always"`` raises it), or None."""
+        return None
 
     def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
         """(every rank's ``ok``, any rank's ``dirty``): one tiny collective where there are

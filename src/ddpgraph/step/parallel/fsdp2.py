@@ -1,0 +1,381 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) as the step's wrapper: the one module that names it.
+
+Facts this is built on (a probe on one H200, torch 2.11, and CPU runs on gloo, torch 2.13; see
+REFERENCES.md, "FSDP2, frameworks and script habits"):
+
+* Forward, ``backward()`` with its reduce-scatters, ``clip_grad_norm_(foreach=True)`` on the
+  DTensor gradients and ``AdamW(capturable=True)`` (foreach or fused) on the DTensor shards are
+  captured as one CUDA graph after a few eager steps on the capture stream (FSDP2 builds its
+  streams and buffers at its lazy init, the first forward), and replay bitwise equal to eager.
+* FSDP2 keeps events and buffers from eager work between iterations (the last all-gather, the
+  reduce-scatter inputs, post-reduce events); a capture must start with none pending, so
+  :meth:`FSDP2.allows_capture` checks that FSDP2 is idle and names what was pending.
+* ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` on DTensor gradients return a
+  replicated DTensor (the partial norms are all-reduced on the device); ``.full_tensor()`` of a
+  replicated DTensor is its local tensor: no host sync.
+* SGD has no DTensor rule for its fused kernel (``aten._fused_sgd_.tensor_lr``) and its foreach
+  kernel turns a tensor LR into a host number (``alpha=-lr``): refused under graphs.
+* With a world size of 1 FSDP2 runs no collective at all (it skips them); the reduce-scatters
+  and all-gathers inside a graph run only from a world size of 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...errors import CaptureError, ConfigError
+from ..graphs import on_stream
+from .base import DataParallel
+
+__all__ = [
+    "FSDP2",
+    "check_not_fsdp1",
+    "find_fsdp2",
+    "is_fsdp2",
+    "shard_blocks",
+]
+
+
+def is_fsdp2(module: object) -> bool:
+    """Whether ``module`` is a module the script ran ``fully_shard`` on."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def find_fsdp2(module: nn.Module) -> list[str]:
+    """The names of ``module``'s submodules (itself: "") that ``fully_shard`` was run on."""
+    return [name for name, sub in module.named_modules() if is_fsdp2(sub)]
+
+
+class FSDP2(DataParallel):
+    """The module the script sharded with ``fully_shard`` (or :func:`shard_blocks` sharded for
+    it), used as it is: FSDP2 has no wrapper object, so ``module`` and ``inner`` are the root.
+
+    * Gradient sync: FSDP2 reduce-scatters each block's gradients in backward; an accumulating
+      micro-step turns that off with ``set_requires_gradient_sync(False)`` for its backward.
+    * Buffers: FSDP2 does not broadcast buffers (BatchNorm statistics stay per rank, as in a
+      plain FSDP2 loop); :meth:`after_step` does nothing.
+    * Evaluation runs the root's forward (FSDP2 all-gathers each block) without gradients; the
+      root's own parameters, which FSDP2 keeps gathered after a no-grad forward, are resharded
+      at its end, so every graph starts from the sharded state.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device,
+        stream: torch.cuda.Stream | None,
+        replaced: dict[int, nn.Parameter] | None = None,
+    ) -> None:
+        check_sharded_root(module)
+        self._replaced = replaced or {}  # sharded here: the old parameters' new DTensor ones
+        self.module = module
+        self.inner = module
+        self.device = device
+        self._stream = stream
+        self.group = _group_of(module)
+        # a no-grad (evaluation) forward leaves the root's parameters gathered: reshard them
+        self._hook = module.register_forward_hook(_reshard_after_no_grad_forward)
+
+    def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """``parallel="fsdp2"`` sharded the model after the script built its optimizer over the
+        plain parameters: point the optimizer's param groups at the DTensor parameters that
+        ``fully_shard`` put in their place (by name), as if it had been built after sharding."""
+        if not self._replaced:
+            return
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(id(p) in self._replaced and p in optimizer.state for p in held):
+            raise ConfigError(
+                "TrainStep(parallel='fsdp2') shards the model, but the optimizer already holds "
+                "state for its unsharded parameters (it has stepped); build the optimizer "
+                "before its first step, or shard the model with fully_shard yourself first."
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
+
+    # ----------------------------------------------------------------- forward and backward
+    @contextlib.contextmanager
+    def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
+        if sync_grads:
+            yield
+            return
+        # FSDP2 reads the flag in backward (no reduce-scatter: the unsharded gradients
+        # accumulate until the last micro-batch's backward reduces them all)
+        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the DTensor gradients as ``torch.nn.utils.clip_grad_norm_`` does in a plain FSDP2
+        loop; the total norm as a plain device tensor (the partial norms are all-reduced on the
+        device by DTensor; ``full_tensor()`` of the replicated result moves nothing)."""
+        return _full(super().clip_grad_norm_(max_norm))
+
+    def grad_norm(self) -> torch.Tensor:
+        return _full(super().grad_norm())
+
+    # ----------------------------------------------------------------- capture preconditions
+    def count_allows_capture(self, forwards: int) -> bool:
+        # FSDP2 times no iteration: after its lazy init (the first forward) and one optimizer
+        # step (its state tensors exist), any count can be captured
+        return forwards >= 2
+
+    def allows_capture(self, steps: int) -> bool:
+        """Raises :class:`CaptureError` naming what FSDP2 has pending if it is not idle: a graph
+        captured then would wait on an event recorded by eager work, or free its buffer."""
+        pending = fsdp2_pending(self.module)
+        if pending:
+            raise CaptureError(
+                "FSDP2 is not idle, so the step cannot be captured: pending "
+                f"{'; '.join(pending)}. Capture after a whole eager step (forward, backward and "
+                "optimizer step); do not call unshard() or run a forward outside the TrainStep "
+                "between its steps."
+            )
+        return True
+
+    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
+        flags = torch.tensor([int(ok), int(not dirty)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        every_ok, none_dirty = flags.tolist()
+        return bool(every_ok), not none_dirty
+
+    def capture_problem(
+        self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
+    ) -> str | None:
+        """What FSDP2 cannot capture: CPU offload (host syncs), SGD on DTensor shards, fp16,
+        more than two accumulate_calls."""
+        offloaded = _offloading(self.module)
+        if offloaded:
+            return (
+                f"FSDP2's CPUOffloadPolicy (on {offloaded}) copies to and from the host and "
+                "synchronizes with it in every step, which a CUDA graph cannot hold; shard "
+                "without offload_policy=CPUOffloadPolicy(), or pass graph='never'"
+            )
+        if isinstance(optimizer, torch.optim.SGD):
+            return (
+                "SGD on FSDP2's DTensor shards cannot be stepped inside a CUDA graph (its fused "
+                "kernel has no DTensor rule, its foreach kernel reads a tensor LR on the host); "
+                "use torch.optim.AdamW or Adam (capturable on DTensors), or pass graph='never'"
+            )
+        if accumulate_calls > 2:
+            # measured on an H200 (MixedPrecisionPolicy bf16, fused AdamW, accumulate_calls=3):
+            # the replays drifted from eager FSDP2 after the first window
+            return (
+                f"accumulate_calls={accumulate_calls} with FSDP2: the first micro-batch of a "
+                "window creates FSDP2's unsharded gradient accumulator and the later ones add to "
+                "it (host-side branches), but every micro-batch replays one graph; use "
+                "accumulate=k (one call split in k, captured as one graph) or accumulate_calls=2"
+            )
+        if fp16:
+            return (
+                "amp='fp16' with FSDP2 needs an inf/NaN check agreed over the gradient shards of "
+                "every rank, which TrainStep does not do yet; use amp='bf16' (or FSDP2's "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)), which needs no loss scaling"
+            )
+        return None
+
+    # ----------------------------------------------------------------- failed captures
+    def dirty(self) -> bool:
+        """Whether a failed capture left FSDP2 mid-iteration (a forward or backward state)."""
+        return any(not_idle for not_idle in _training_states(self.module))
+
+    def reset(self) -> None:
+        """FSDP2's own recovery (``reset_iter_state`` on the root, torch >= 2.12): wait on the
+        events of the failed iteration, reshard, and clear its per-iteration state."""
+        reset = getattr(self.module, "reset_iter_state", None)
+        if reset is None:
+            raise CaptureError(
+                "a capture failed inside FSDP2's forward or backward, and this torch "
+                f"({torch.__version__}) has no FSDPModule.reset_iter_state() to recover; pass "
+                "graph='never', or upgrade torch."
+            )
+        with on_stream(self._stream):
+            reset()
+
+    def check_reset_alone(self) -> None:
+        if dist.get_world_size(self.group) > 1:
+            raise CaptureError(
+                "a capture failed inside FSDP2's forward or backward on this rank while other "
+                "ranks may be replaying; FSDP2's collectives can only recover with every rank at "
+                "the same step. Pad batches to shapes captured at the start, or pass "
+                "on_new_shape='eager'."
+            )
+
+
+# --------------------------------------------------------------------- what FSDP2 holds
+def _states(root: nn.Module) -> list[Any]:
+    return [m._get_fsdp_state() for m in root.modules() if is_fsdp2(m)]  # type: ignore[operator]
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)  # torch < 2.12: one group per state
+    return [] if group is None else [group]
+
+
+def _training_states(root: nn.Module) -> Iterator[bool]:
+    for state in _states(root):
+        yield state._training_state.name != "IDLE"
+        for group in _param_groups(state):
+            yield group._training_state.name != "IDLE"
+
+
+def fsdp2_pending(root: nn.Module) -> list[str]:
+    """What FSDP2 holds from eager work that a capture must not inherit; empty when idle."""
+    pending: list[str] = []
+    for name, module in root.named_modules():
+        if not is_fsdp2(module):
+            continue
+        state = module._get_fsdp_state()
+        where = name or "the root"
+        if state._training_state.name != "IDLE":
+            pending.append(f"{where} in state {state._training_state.name}")
+        for group in _param_groups(state):
+            for attr in (
+                "_all_gather_result",
+                "_post_reduce_event",
+                "_all_reduce_state",
+                "_reshard_after_forward_event",
+            ):
+                if getattr(group, attr, None) is not None:
+                    pending.append(f"{where}: {attr.lstrip('_').replace('_', ' ')}")
+            if group._training_state.name != "IDLE":
+                pending.append(f"{where}: parameter group in state {group._training_state.name}")
+    states = _states(root)  # one communication context, shared by every state of the root
+    ctx = getattr(states[0], "_comm_ctx", None) if states else None
+    if ctx is not None:
+        if getattr(ctx, "all_gather_state", None) is not None:
+            pending.append("the last all-gather's buffer (comm_ctx.all_gather_state)")
+        if getattr(ctx, "reduce_scatter_states", None):
+            pending.append("reduce-scatter inputs (comm_ctx.reduce_scatter_states)")
+        if getattr(ctx, "_last_post_reduce_events", None):
+            pending.append("post-reduce events (comm_ctx._last_post_reduce_events)")
+    return pending
+
+
+def _offloading(root: nn.Module) -> str | None:
+    """The first sharded module with a CPUOffloadPolicy, or None."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:
+        return None
+    for name, module in root.named_modules():
+        if not is_fsdp2(module):
+            continue
+        for group in _param_groups(module._get_fsdp_state()):
+            if isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
+                return name or "the root"
+    return None
+
+
+def _group_of(root: nn.Module) -> Any:
+    """The process group the mesh spans: every rank that runs the step (agreement)."""
+    from torch.distributed.tensor import DTensor
+
+    for param in root.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+    return dist.group.WORLD
+
+
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    full = getattr(norm, "full_tensor", None)
+    return full() if full is not None else norm
+
+
+def _reshard_after_no_grad_forward(module: nn.Module, args: Any, output: Any) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()  # type: ignore[operator]
+
+
+# --------------------------------------------------------------------- checks and sharding
+def check_sharded_root(module: nn.Module) -> None:
+    """The module TrainStep calls must be FSDP2's root, and must not also be DDP-wrapped."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    sharded = find_fsdp2(module)
+    if sharded and "" not in sharded:
+        raise ConfigError(
+            f"the model's submodules {sharded[:3]} were sharded with fully_shard, but the model "
+            "itself was not; call fully_shard(model) last (the root), as FSDP2's docs do."
+        )
+    wrapped = [n for n, m in module.named_modules() if isinstance(m, DistributedDataParallel)]
+    if wrapped:
+        raise ConfigError(
+            f"the model is sharded with fully_shard and also holds a DistributedDataParallel "
+            f"({wrapped[0] or 'the root'}); use one of them: pass the fully_shard-ed module "
+            "without DDP (FSDP2 reduces the gradients itself)."
+        )
+
+
+def check_not_fsdp1(model: object) -> None:
+    """Refuse FSDP1 (``FullyShardedDataParallel``): its flat parameters and hooks are not
+    captured; FSDP2's ``fully_shard`` is."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return
+    if not isinstance(model, nn.Module):
+        return
+    found = [n for n, m in model.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if found:
+        raise ConfigError(
+            f"the model is wrapped in FSDP1's FullyShardedDataParallel ({found[0] or 'the root'})"
+            ", which TrainStep cannot capture; shard it with FSDP2 instead: "
+            "torch.distributed.fsdp.fully_shard(block) for each block, then fully_shard(model), "
+            "or pass the bare model with TrainStep(..., parallel='fsdp2')."
+        )
+
+
+def shard_blocks(model: nn.Module) -> dict[int, nn.Parameter]:
+    """``TrainStep(..., parallel="fsdp2")``'s policy for a plain model: ``fully_shard`` each
+    child with parameters of every ``nn.ModuleList`` / ``nn.Sequential`` (the blocks of a
+    transformer, the layers of a Sequential; outermost lists only), then the model itself (the
+    root: embeddings, heads and whatever else is left). The default mesh spans every rank;
+    parameters stay in their dtype (``amp=`` autocasts). Returns each replaced parameter's new
+    DTensor parameter by the old one's ``id`` (``fully_shard`` replaces them: an optimizer built
+    before is pointed at the new ones by :meth:`FSDP2.take_optimizer`).
+
+    A model that needs another policy (a mesh of its own, ``MixedPrecisionPolicy``,
+    ``reshard_after_forward``) is sharded by the script and passed as it is.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    before = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    for name in _block_names(model):
+        fully_shard(modules[name])
+    fully_shard(model)
+    after = dict(model.named_parameters())
+    return {id(old): after[name] for name, old in before.items() if after[name] is not old}
+
+
+def _block_names(model: nn.Module) -> list[str]:
+    names: list[str] = []
+    containers: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(c + ".") for c in containers):
+            continue  # inside a list already chosen: its children are the blocks
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            containers.append(name)
+            prefix = f"{name}." if name else ""
+            names.extend(
+                prefix + child
+                for child, sub in module.named_children()
+                if any(True for _ in sub.parameters())
+            )
+    return names
