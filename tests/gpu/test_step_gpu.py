@@ -273,3 +273,39 @@ def test_channels_last_resnet_graphed_equals_eager(rt):
     eager = train(resnet, sgd, batches, graph="never", channels_last=True)
     assert graphed["report"].mode == "graphed"
     assert_bitwise(graphed, eager)
+
+
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "measured"])
+def test_the_graphed_grad_norm_is_the_eager_loops_bitwise(rt, clip):
+    """step.grad_norm on CUDA, replayed, against the loop's clip_grad_norm_ / get_total_norm
+    with the same graph-safe AdamW."""
+    batches = make_batches(mlp, 30)
+
+    def model_and_opt():
+        torch.manual_seed(0)
+        model = mlp().to(rt.device)
+        opt = adamw(model.parameters())
+        make_graph_safe(opt, rt.device)  # the same capturable AdamW as the step's
+        return model, opt
+
+    model, opt = model_and_opt()
+    options = {"clip_grad_norm": clip} if clip else {"grad_norm": True}
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), **options)
+    ours = []
+    for x, y in batches:
+        step(x, y)
+        ours.append(step.grad_norm.clone())
+    assert step.report().replays > 0, str(step.report())
+    model, opt = model_and_opt()
+    theirs = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        params = [p for p in model.parameters() if p.grad is not None]
+        if clip:
+            theirs.append(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
+        else:
+            theirs.append(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
+        opt.step()
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
