@@ -134,7 +134,7 @@ class TrainStep:
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):
-            self._policy.enter_eager(graphs, warn=not isinstance(graphs, NoCuda))
+            self._policy.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
         self._report.mode = self.mode
 
     # ----------------------------------------------------------------- public
