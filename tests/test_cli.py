@@ -169,6 +169,7 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
             ["--max-restarts", "-1"],
             ["--data", "disk"],
             ["--steps-per-replay", "0"],
+            ["--parallel", "zero"],
         ],
         "bench": [
             ["--config", "nope"],
@@ -179,6 +180,8 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
             ["--varlen=yes"],
             ["--varlen", "--hf", "nope", "--out", str(tmp_path / "hf.json")],
             ["--out", str(tmp_path)],  # a directory, not a file
+            ["--parallel", "zero"],
+            ["--parallel", "fsdp2", "--config", "mlp", "--out", str(tmp_path / "f.json")],
         ],
         "lint": [["--format", "xml", __file__], ["--strict=yes", __file__], []],
         "explain": [[""], []],
@@ -219,6 +222,7 @@ def test_every_subcommand_has_help_and_refuses_each_bad_value_in_one_message(tmp
         (["--varlen", "--steps", "8"], "--steps: not used by a --varlen run"),
         (["--varlen", "--config", "mlp", "--mode", "train_step"], "--config, --mode: not used"),
         (["--varlen", "--hf", "gpt2", "--quick"], "--quick: not used by a --varlen --hf run"),
+        (["--parallel", "fsdp2", "--mode", "train_step"], "--mode: not used by a --parallel fsdp2"),
     ],
 )
 def test_a_bench_option_its_run_would_ignore_is_refused(args, message, tmp_path):
