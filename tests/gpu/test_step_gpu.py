@@ -276,36 +276,26 @@ def test_channels_last_resnet_graphed_equals_eager(rt):
 
 
 @pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "measured"])
-def test_the_graphed_grad_norm_is_the_eager_loops_bitwise(rt, clip):
-    """step.grad_norm on CUDA, replayed, against the loop's clip_grad_norm_ / get_total_norm
-    with the same graph-safe AdamW."""
-    batches = make_batches(mlp, 30)
-
-    def model_and_opt():
+def test_the_graphed_grad_norm_equals_the_eager_steps_bitwise(rt, clip):
+    """step.grad_norm replayed on CUDA against the same step run eagerly (graph="never"); the
+    eager step's norm is clip_grad_norm_'s / get_total_norm's (tests/test_grad_norm.py, CPU).
+    A bare loop without DDP is not the reference here: on CUDA its kernels differ in the last
+    bit from DDP's bucketed gradients (measured: 0.7334 vs 0.7334, not equal)."""
+    batches = make_batches(mlp, 12 + 1 + REPLAYS)
+    options = {"clip_grad_norm": clip} if clip else {"grad_norm": True}
+    norms = {}
+    for graph in ("always", "never"):
         torch.manual_seed(0)
         model = mlp().to(rt.device)
         opt = adamw(model.parameters())
-        make_graph_safe(opt, rt.device)  # the same capturable AdamW as the step's
-        return model, opt
-
-    model, opt = model_and_opt()
-    options = {"clip_grad_norm": clip} if clip else {"grad_norm": True}
-    step = TrainStep(model, opt, nn.CrossEntropyLoss(), **options)
-    ours = []
-    for x, y in batches:
-        step(x, y)
-        ours.append(step.grad_norm.clone())
-    assert step.report().replays > 0, str(step.report())
-    model, opt = model_and_opt()
-    theirs = []
-    for x, y in batches:
-        opt.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(model(x), y).backward()
-        params = [p for p in model.parameters() if p.grad is not None]
-        if clip:
-            theirs.append(torch.nn.utils.clip_grad_norm_(params, clip, foreach=True))
-        else:
-            theirs.append(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
-        opt.step()
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
+        if graph == "never":
+            make_graph_safe(opt, rt.device)  # the same arithmetic as the graphed run
+        step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph, **options)
+        seen = []
+        for x, y in batches:
+            step(x, y)
+            seen.append(step.grad_norm.clone())
+        norms[graph] = torch.stack(seen)
+        if graph == "always":
+            assert step.report().replays == REPLAYS + 1, str(step.report())
+    assert torch.equal(norms["always"], norms["never"])
