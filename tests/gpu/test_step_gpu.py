@@ -279,8 +279,8 @@ def test_channels_last_resnet_graphed_equals_eager(rt):
 def test_the_graphed_grad_norm_equals_the_eager_steps_bitwise(rt, clip):
     """step.grad_norm replayed on CUDA against the same step run eagerly (graph="never"); the
     eager step's norm is clip_grad_norm_'s / get_total_norm's (tests/test_grad_norm.py, CPU).
-    A bare loop without DDP is not the reference here: on CUDA its kernels differ in the last
-    bit from DDP's bucketed gradients (measured: 0.7334 vs 0.7334, not equal)."""
+    Against a bare loop without DDP (same capturable AdamW) the graphed norms differed in the
+    last bit on the H200 (0.7334 vs 0.7334, not equal); the cause is not isolated yet."""
     batches = make_batches(mlp, 12 + 1 + REPLAYS)
     options = {"clip_grad_norm": clip} if clip else {"grad_norm": True}
     norms = {}
