@@ -99,7 +99,7 @@ def pickle_under_data_codec_from(bad: int, marker: str) -> list:
     import pickle
 
     if _rank() == bad:
-        objects.encode_parts = lambda obj, codec: [pickle.dumps(Evil(marker))]  # type: ignore[assignment]
+        exchange.encode_parts = lambda obj, codec: [pickle.dumps(Evil(marker))]  # type: ignore[assignment]
     return dg.all_gather_object({"ok": True})
 
 
@@ -258,7 +258,7 @@ def nccl_uses_the_bound_device() -> Any:
     from ddpgraph.distributed import runtime
 
     rank = _rank()
-    objects.get_runtime = lambda: SimpleNamespace(device=torch.device("cuda", rank))  # type: ignore[assignment]
+    exchange.get_runtime = lambda: SimpleNamespace(device=torch.device("cuda", rank))  # type: ignore[assignment]
     objects.dist.get_backend = lambda group=None: "nccl"  # type: ignore[assignment]
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     runtime.device_identity = lambda device: f"GPU-{device.index}"  # type: ignore[assignment]

@@ -8,6 +8,7 @@ import torch
 
 import ddpgraph as dg
 from ddpgraph import CollectiveTimeout, DeviceConflictError, ObjectCollectiveError
+from ddpgraph.distributed import _object_call as object_call
 from ddpgraph.distributed import _object_exchange as exchange
 from ddpgraph.distributed.codec import encode
 from ddpgraph.errors import DistributedStateError, ObjectArgumentError
@@ -380,21 +381,21 @@ def test_the_slot_guess_uses_only_what_every_rank_saw():
     p = exchange._SlotPredictor()
     big, small = 300_000, 100
     assert p.start() == exchange._SLOT  # nothing seen yet
-    p.learn(site=1, sizes=[big, small], cap=exchange._MAX_LEARNED_SLOT)
+    p.learn(site=1, sizes=[big, small], cap=object_call._MAX_LEARNED_SLOT)
     assert p.start() == exchange._SLOT  # after site 1: not seen yet
-    p.learn(site=1, sizes=[big, big], cap=exchange._MAX_LEARNED_SLOT)
+    p.learn(site=1, sizes=[big, big], cap=object_call._MAX_LEARNED_SLOT)
     grown = p.start()
     assert big + exchange._HEADER.size <= grown <= 1.1 * big
-    p.learn(site=1, sizes=[small], cap=exchange._MAX_LEARNED_SLOT)  # smaller: used at once
+    p.learn(site=1, sizes=[small], cap=object_call._MAX_LEARNED_SLOT)  # smaller: used at once
     assert p.start() == exchange._SLOT
-    p.learn(site=1, sizes=[big], cap=exchange._MAX_LEARNED_SLOT)  # larger once: not yet
+    p.learn(site=1, sizes=[big], cap=object_call._MAX_LEARNED_SLOT)  # larger once: not yet
     assert p.start() == exchange._SLOT
     # a failed call (no learn after start) forgets the previous site
     assert p.start() == exchange._SLOT and p.previous is None
     # over the op's cap: the default slot, never a partial one
-    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
+    p.learn(site=2, sizes=[1], cap=object_call._MAX_LEARNED_SLOT)
     p.learn(site=3, sizes=[big], cap=256 << 10)
-    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
+    p.learn(site=2, sizes=[1], cap=object_call._MAX_LEARNED_SLOT)
     p.learn(site=3, sizes=[big * 2], cap=256 << 10)
-    p.learn(site=2, sizes=[1], cap=exchange._MAX_LEARNED_SLOT)
+    p.learn(site=2, sizes=[1], cap=object_call._MAX_LEARNED_SLOT)
     assert p.start() == exchange._SLOT
