@@ -173,6 +173,29 @@ class TrainStep:
             self._policy.enter_eager(graphs, warn=stream is not None)
         self._report.mode = self.mode
 
+    # ----------------------------------------------------------------- framework front-ends
+    @classmethod
+    def from_accelerator(
+        cls, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | None = None, **options: Any,
+    ) -> TrainStep:  # fmt: skip
+        """A TrainStep set up as an Accelerate ``Accelerator`` says (mixed_precision as amp,
+        gradient_accumulation_steps as accumulate_calls): :mod:`ddpgraph.integrations.accelerate`."""
+        from ..integrations.accelerate import from_accelerator
+
+        return from_accelerator(accelerator, model, optimizer, loss_fn, **options)
+
+    @classmethod
+    def from_fabric(
+        cls, fabric: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn | None = None, **options: Any,
+    ) -> TrainStep:  # fmt: skip
+        """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp):
+        :mod:`ddpgraph.integrations.fabric`."""
+        from ..integrations.fabric import from_fabric
+
+        return from_fabric(fabric, model, optimizer, loss_fn, **options)
+
     # ----------------------------------------------------------------- public
     @property
     def model(self) -> nn.Module:
