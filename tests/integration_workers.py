@@ -189,3 +189,87 @@ def _loop_result(model: Any, losses: list, norms: list, lrs: list, step: Any) ->
         "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
         "report": None if step is None else str(step.report()),
     }
+
+
+def run_lightning(graphed: bool, max_steps: int = 24) -> dict[str, Any]:
+    """An unchanged LightningModule (automatic optimization, ``self.log``, a warm-up schedule
+    stepped per step) under ``strategy="ddp"`` or ``GraphStrategy``: accumulation and clipping
+    set on the Trainer."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from ddpgraph.testing import CpuGraphs
+
+    class GPT2Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            scheduler = {"scheduler": _warmup_schedule(optimizer), "interval": "step"}
+            return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.lrs: list[float] = []
+            self.steps: list[int] = []
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+            self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+            self.steps.append(trainer.global_step)
+
+    if graphed:
+        from ddpgraph.integrations.lightning import GraphStrategy
+
+        strategy: Any = GraphStrategy(
+            process_group_backend="gloo", step_options={"engine": CpuGraphs()}
+        )
+    else:
+        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
+    record = Record()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[record],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    module = GPT2Module()
+    trainer.fit(module, DataLoader(gpt2_data(), batch_size=4))
+    step = strategy.train_step if graphed else None
+    result = _loop_result(module.model, record.losses, [], record.lrs, step)
+    result["steps"] = record.steps
+    return result
+
+
+def run_lightning_manual() -> None:
+    """A LightningModule with automatic_optimization=False under GraphStrategy (refused)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from ddpgraph.integrations.lightning import GraphStrategy
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=GraphStrategy(process_group_backend="gloo"),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))

@@ -8,7 +8,7 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 
 * ``_wrap_model`` returns a handle instead of the model, so Accelerate does not wrap the model in
   a DDP of its own (built on the default stream, its backward cannot be captured).
-* The Trainer's optimizer becomes a view (:class:`_OptimizerView`): ``step()`` and
+* The Trainer's optimizer becomes a view (:class:`OptimizerView`): ``step()`` and
   ``zero_grad()`` do nothing (the graph updates and zeroes), and the scheduler drives the view's
   param groups, whose LR (a Python float) is handed to the real optimizer before every step.
   The LR reaches the graph as a device tensor, and the Trainer logs the float: no host sync.
@@ -39,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigError
 from ..step import StepReport, TrainStep
+from ._optim import OptimizerView
 
 if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(
@@ -102,7 +103,7 @@ class GraphTrainer(transformers.Trainer):
         self.step_options = options
         self.train_step: TrainStep | None = None
         self._handle: _StepHandle | None = None
-        self._view: _OptimizerView | None = None
+        self._view: OptimizerView | None = None
         self._filter_nan_inf = False
 
     # ----------------------------------------------------------------- the Trainer's hooks
@@ -133,7 +134,7 @@ class GraphTrainer(transformers.Trainer):
         # view from here on, and a scheduler built here drives the view's param groups
         real = _real_optimizer(self.optimizer)
         if self._view is None or self._view.optimizer is not real:
-            self._view = _OptimizerView(real)
+            self._view = OptimizerView(real, own_lr=True)
         self.optimizer = self._view
         return super().create_scheduler(
             num_training_steps, self._view if optimizer is None else optimizer
@@ -323,62 +324,11 @@ class _UndoDivision(torch.autograd.Function):
         return grad / (torch.ones_like(grad) / ctx.k), None
 
 
-class _OptimizerView(torch.optim.Optimizer):
-    """The Trainer's optimizer while the TrainStep updates the real one.
-
-    ``step()`` and ``zero_grad()`` do nothing (the graph did both). The param groups are the
-    real ones' copies: an LR scheduler writes its LR here as a float (the Trainer logs it without
-    a sync) and :meth:`push_lr` hands it to the real optimizer before each step (the TrainStep
-    copies it into the LR tensor its graph reads). State and ``state_dict`` are the real
-    optimizer's, with the float LR.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super(): a view
-        self.optimizer = optimizer
-        self.defaults = optimizer.defaults
-        self.param_groups = [dict(group) for group in optimizer.param_groups]
-        self._take_lr()
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
-
-    def push_lr(self) -> None:
-        for view, group in zip(self.param_groups, self.optimizer.param_groups):
-            group["lr"] = view["lr"]
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self.optimizer.state_dict()
-        for saved, view in zip(state["param_groups"], self.param_groups):
-            saved["lr"] = view["lr"]
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-        for view, group in zip(self.param_groups, self.optimizer.param_groups):
-            view.update({k: v for k, v in group.items() if k != "params"})
-        self._take_lr()
-
-    def _take_lr(self) -> None:
-        for view in self.param_groups:
-            if isinstance(view["lr"], torch.Tensor):
-                view["lr"] = float(view["lr"])  # once, at construction or a load
-
-    def __repr__(self) -> str:
-        return f"_OptimizerView({self.optimizer!r})"
-
-
 def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` and our view."""
     while (
         not isinstance(optimizer, torch.optim.Optimizer)
-        or isinstance(optimizer, _OptimizerView)
+        or isinstance(optimizer, OptimizerView)
         or type(optimizer).__name__ == "AcceleratedOptimizer"
     ):
         inner = getattr(optimizer, "optimizer", None)
