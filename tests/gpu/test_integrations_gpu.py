@@ -88,3 +88,42 @@ def test_from_fabric_replays_in_bf16():
             step(batch)
     torch.cuda.synchronize()
     _graphed_throughout(step.report())
+
+
+def test_graph_strategy_replays_a_lightning_module_in_bf16():
+    pl = pytest.importorskip("lightning.pytorch")
+    from ddpgraph.integrations.lightning import GraphStrategy
+
+    class GPT2Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = workers.tiny_gpt2()
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            schedule = workers._warmup_schedule(optimizer)
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"},
+            }
+
+    strategy = GraphStrategy()
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=strategy, precision="bf16-mixed",
+        max_steps=STEPS, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    try:
+        trainer.fit(GPT2Module(), _masked_loader())
+        torch.cuda.synchronize()
+        _graphed_throughout(strategy.train_step.report())
+        assert trainer.global_step == STEPS
+        assert torch.isfinite(trainer.callback_metrics["train_loss"])
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
