@@ -191,7 +191,9 @@ def _loop_result(model: Any, losses: list, norms: list, lrs: list, step: Any) ->
     }
 
 
-def run_lightning(graphed: bool, max_steps: int = 24) -> dict[str, Any]:
+def run_lightning(
+    graphed: bool, max_steps: int = 24, checkpoints: str | None = None, resume: str | None = None
+) -> dict[str, Any]:
     """An unchanged LightningModule (automatic optimization, ``self.log``, a warm-up schedule
     stepped per step) under ``strategy="ddp"`` or ``GraphStrategy``: accumulation and clipping
     set on the Trainer."""
@@ -235,14 +237,20 @@ def run_lightning(graphed: bool, max_steps: int = 24) -> dict[str, Any]:
     else:
         strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
     record = Record()
+    callbacks: list[Any] = [record]
+    if checkpoints is not None:  # every epoch's end (8 steps)
+        save = pl.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, filename="{step}", every_n_train_steps=8, save_top_k=-1
+        )
+        callbacks.append(save)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
-        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=[record],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=callbacks,
+        logger=False, enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
         enable_model_summary=False,
     )  # fmt: skip
     module = GPT2Module()
-    trainer.fit(module, DataLoader(gpt2_data(), batch_size=4))
+    trainer.fit(module, DataLoader(gpt2_data(), batch_size=4), ckpt_path=resume)
     step = strategy.train_step if graphed else None
     result = _loop_result(module.model, record.losses, [], record.lrs, step)
     result["steps"] = record.steps
