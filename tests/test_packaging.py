@@ -29,6 +29,10 @@ def test_optional_features_have_extras_and_dev_pulls_what_the_tests_import():
     assert set(extras["plot"]) | set(extras["hf"]) <= set(extras["dev"])
     # transformers must not pull its own torch over the CPU wheel CI installs first
     assert "torch" not in _names(extras["hf"])
+    # the framework front-ends: an extra each, tested in CI through dev, no torch of their own
+    fronts = ("transformers", "accelerate", "lightning")
+    assert set().union(*(extras[name] for name in fronts)) <= set(extras["dev"])
+    assert "torch" not in set().union(*(_names(extras[name]) for name in fronts))
 
 
 def test_license_changelog_and_urls_ship_with_the_project():

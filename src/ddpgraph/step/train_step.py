@@ -20,6 +20,7 @@ from .batch import make_batch
 from .body import LossFn, StepBody
 from .engine import GraphEngine, NoCuda, build_graphs
 from .feed import DataFeed
+from .frameworks import FromFrameworks
 from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
 from .options import (
@@ -37,7 +38,7 @@ from .report import Phase, StepReport
 __all__ = ["TrainStep"]
 
 
-class TrainStep:
+class TrainStep(FromFrameworks):
     """The whole training step as one callable: ``loss = step(x, y)`` or ``loss = step(batch)``.
 
     Batches (call it on every rank, the same number of times):

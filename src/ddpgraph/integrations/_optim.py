@@ -1,0 +1,71 @@
+"""The optimizer a framework holds while a TrainStep updates the real one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["OptimizerView"]
+
+
+class OptimizerView(torch.optim.Optimizer):
+    """A framework's optimizer while the TrainStep updates the real one (inside its graph).
+
+    ``zero_grad()`` does nothing (the graph reads and writes the same ``.grad`` tensors on every
+    replay); ``step(closure)`` runs the closure only (a framework's closure runs the TrainStep),
+    the update happened inside the graph. State and ``state_dict`` are the real optimizer's.
+
+    ``own_lr=False``: the param groups are the real ones (a scheduler writes the LR there; the
+    TrainStep copies it into the LR tensor its graph reads). ``own_lr=True``: the param groups are
+    copies whose LR stays a float (a framework logs it without a host sync) and :meth:`push_lr`
+    hands it to the real optimizer before each step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, own_lr: bool) -> None:  # a view
+        self.optimizer = optimizer
+        self.defaults = optimizer.defaults
+        self.own_lr = own_lr
+        groups = optimizer.param_groups
+        self.param_groups = [dict(group) for group in groups] if own_lr else groups
+        self._take_lr()
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def step(self, closure: Any = None) -> Any:
+        return None if closure is None else closure()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def push_lr(self) -> None:
+        if self.own_lr:
+            for view, group in zip(self.param_groups, self.optimizer.param_groups):
+                group["lr"] = view["lr"]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.optimizer.state_dict()
+        if self.own_lr:
+            for saved, view in zip(state["param_groups"], self.param_groups):
+                saved["lr"] = view["lr"]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        if self.own_lr:
+            for view, group in zip(self.param_groups, self.optimizer.param_groups):
+                view.update({k: v for k, v in group.items() if k != "params"})
+            self._take_lr()
+        else:
+            self.param_groups = self.optimizer.param_groups  # load_state_dict replaced them
+
+    def _take_lr(self) -> None:
+        if self.own_lr:
+            for view in self.param_groups:
+                if isinstance(view["lr"], torch.Tensor):
+                    view["lr"] = float(view["lr"])  # once, at construction or a load
+
+    def __repr__(self) -> str:
+        return f"OptimizerView({self.optimizer!r})"

@@ -1,0 +1,80 @@
+"""Lightning Fabric with a graphed :class:`~ddpgraph.TrainStep`: :func:`from_fabric` (also
+``TrainStep.from_fabric``).
+
+Fabric keeps launching, the device, the data loaders (``fabric.setup_dataloaders``: sampler,
+device moves) and logging; the TrainStep owns model, optimizer and DDP (Fabric would build its
+DDP on the default stream, where its backward cannot be captured).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..errors import ConfigError
+from ..step import TrainStep
+from ..step.body import LossFn
+
+__all__ = ["amp_of", "from_fabric"]
+
+_AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
+_STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
+
+
+def from_fabric(
+    fabric: Any,
+    model: nn.Module,
+    optimizer: Any,
+    loss_fn: LossFn | None = None,
+    **options: Any,
+) -> TrainStep:
+    """A TrainStep set up as ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
+    ``"32-true"``) as ``amp``, the model moved to ``fabric.device``; accumulate with
+    ``accumulate_calls=k`` (it replaces ``fabric.no_backward_sync``).
+
+    Pass the model and optimizer as built, not through ``fabric.setup`` (set up the data
+    loaders only). Call on every rank, after ``fabric.launch()``.
+    """
+    _check_not_set_up(model, optimizer)
+    strategy = type(fabric.strategy).__name__
+    if strategy not in _STRATEGIES:
+        raise ConfigError(
+            f"TrainStep.from_fabric runs data-parallel training with DDP, but Fabric's strategy "
+            f"is {strategy}; use Fabric(strategy='ddp') (or one device)."
+        )
+    if "amp" in options:
+        raise ConfigError(
+            "TrainStep.from_fabric(..., amp=...) is set by Fabric(precision=...); set it there."
+        )
+    model.to(fabric.device)
+    ddp_kwargs = dict(getattr(fabric.strategy, "_ddp_kwargs", None) or {})
+    ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
+    return TrainStep(
+        model, optimizer, loss_fn, amp=amp_of(fabric.strategy.precision.precision),
+        ddp_kwargs=ddp_kwargs, **options,
+    )  # fmt: skip
+
+
+def amp_of(precision: str) -> str | None:
+    """Fabric's (or Lightning's) ``precision`` as TrainStep's ``amp``."""
+    value = str(precision)
+    if value not in _AMP:
+        raise ConfigError(
+            f"precision={value!r} has no graphed equivalent; use 'bf16-mixed', '16-mixed' or "
+            "'32-true' (a model cast to bf16 trains with precision='32-true')."
+        )
+    return _AMP[value]
+
+
+def _check_not_set_up(model: object, optimizer: object) -> None:
+    from lightning.fabric.wrappers import is_wrapped
+
+    for what, obj in (("model", model), ("optimizer", optimizer)):
+        if is_wrapped(obj):
+            raise ConfigError(
+                f"TrainStep.from_fabric got a {what} fabric.setup() already wrapped "
+                f"({type(obj).__name__}); pass the model and optimizer as built and set up only "
+                "the data loaders: loader = fabric.setup_dataloaders(loader). The TrainStep wraps "
+                "the model in DDP itself, on the stream it captures with."
+            )

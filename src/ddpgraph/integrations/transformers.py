@@ -1,0 +1,370 @@
+"""transformers' ``Trainer`` with its training step as one graphed :class:`~ddpgraph.TrainStep`.
+
+``GraphTrainer`` takes what ``transformers.Trainer`` takes. The Trainer keeps its data loading,
+LR scheduler, logging, evaluation, callbacks and checkpoints; the step (forward and the loss as
+``Trainer.compute_loss`` computes it, with ``num_items_in_batch``; backward;
+``gradient_accumulation_steps`` micro-batches, ``max_grad_norm`` clipping, the optimizer update)
+is a TrainStep, which owns DDP. How it is wired, and why each piece:
+
+* ``_wrap_model`` returns a handle instead of the model, so Accelerate does not wrap the model in
+  a DDP of its own (built on the default stream, its backward cannot be captured).
+* The Trainer's optimizer becomes a view (:class:`OptimizerView`): ``step()`` and
+  ``zero_grad()`` do nothing (the graph updates and zeroes), and the scheduler drives the view's
+  param groups, whose LR (a Python float) is handed to the real optimizer before every step.
+  The LR reaches the graph as a device tensor, and the Trainer logs the float: no host sync.
+* ``num_items_in_batch`` (the window's token count, summed over ranks) enters the graph as a
+  batch entry, a static input copied in at every replay, never a constant of the capture.
+* ``logging_nan_inf_filter`` is applied on the device (``torch.where``) instead of the
+  Trainer's ``isnan(loss) or isinf(loss)``, a host sync per micro-batch.
+* The grad norm the Trainer logs is ``step.grad_norm`` (measured inside the graph).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "ddpgraph.integrations.transformers needs transformers; install it with "
+        "pip install 'ddpgraph[transformers]'."
+    ) from exc
+
+from ..errors import ConfigError
+from ..step import StepReport, TrainStep
+from ._optim import OptimizerView
+
+if int(transformers.__version__.split(".")[0]) < 5:
+    raise ImportError(
+        f"ddpgraph.integrations.transformers needs transformers >= 5 (its Trainer's "
+        f"_clip_grad_norm and training_step hooks), found {transformers.__version__}; "
+        "pip install 'ddpgraph[transformers]'."
+    )
+
+__all__ = ["GraphTrainer", "TrainerReport"]
+
+NUM_ITEMS = "num_items_in_batch"  # the batch entry that carries the Trainer's token count
+
+# TrainStep options that TrainingArguments already set: taking them twice would let them differ
+_FROM_ARGS = {
+    "amp": "bf16 / fp16",
+    "accumulate_calls": "gradient_accumulation_steps",
+    "clip_grad_norm": "max_grad_norm",
+    "grad_norm": "max_grad_norm",
+    "scheduler": "lr_scheduler_type (or optimizers=(optimizer, scheduler))",
+    "ddp_kwargs": "ddp_find_unused_parameters / ddp_bucket_cap_mb / ddp_broadcast_buffers",
+}
+
+
+@dataclass
+class TrainerReport:
+    """:meth:`GraphTrainer.report`: the TrainStep's report and the host syncs the Trainer's own
+    loop still makes (none per micro-batch, none per step apart from logging)."""
+
+    step: StepReport | None
+    host_syncs: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        head = "no training step yet" if self.step is None else str(self.step)
+        return "\n".join([head, *(f"host sync left: {s}" for s in self.host_syncs)])
+
+
+class GraphTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose training step is one graphed :class:`~ddpgraph.TrainStep`.
+
+    Same constructor and ``TrainingArguments`` as the Trainer; ``step_options`` passes further
+    TrainStep options (``graph``, ``warmup``, ``on_new_shape``, ``compile``, ``engine``); what
+    ``TrainingArguments`` sets (precision, accumulation, clipping, the scheduler, DDP's
+    arguments) comes from there. The TrainStep is built at the first training step (after a
+    checkpoint was loaded into model, optimizer and scheduler) and kept as :attr:`train_step`.
+
+    Graphs need one batch shape: pad to a fixed length (``padding="max_length"``) or to a few
+    (``pad_to_multiple_of``, with ``step_options={"on_new_shape": "capture"}``).
+    """
+
+    def __init__(
+        self, *args: Any, step_options: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        options = dict(step_options or {})
+        taken = sorted(set(options) & set(_FROM_ARGS))
+        if taken:
+            raise ConfigError(
+                f"GraphTrainer(step_options=...) got {taken}, which the TrainingArguments set "
+                f"({', '.join(_FROM_ARGS[k] for k in taken)}); set them there."
+            )
+        super().__init__(*args, **kwargs)
+        self.step_options = options
+        self.train_step: TrainStep | None = None
+        self._handle: _StepHandle | None = None
+        self._view: OptimizerView | None = None
+        self._filter_nan_inf = False
+
+    # ----------------------------------------------------------------- the Trainer's hooks
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``logging_nan_inf_filter`` is applied on the device meanwhile."""
+        with self._nan_inf_filter_on_device():
+            return super().train(*args, **kwargs)
+
+    def _wrap_model(
+        self, model: nn.Module, training: bool = True, dataloader: Any = None
+    ) -> nn.Module:
+        if not training:  # evaluation and prediction: the Trainer's own, eager
+            return super()._wrap_model(model, training=False, dataloader=dataloader)
+        if self.args.n_gpu > 1:
+            raise ConfigError(
+                f"GraphTrainer runs one process per GPU, but this process sees n_gpu="
+                f"{self.args.n_gpu} (torch.nn.DataParallel); launch with torchrun "
+                "--nproc-per-node=N (or ddpgraph launch) so each rank has one GPU."
+            )
+        if self._handle is None or self._handle.module is not self._model():
+            self._handle = _StepHandle(self._model())
+        return self._handle
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        # called once the optimizer is final (after accelerator.prepare): the Trainer keeps the
+        # view from here on, and a scheduler built here drives the view's param groups
+        real = _real_optimizer(self.optimizer)
+        if self._view is None or self._view.optimizer is not real:
+            self._view = OptimizerView(real, own_lr=True)
+        self.optimizer = self._view
+        return super().create_scheduler(
+            num_training_steps, self._view if optimizer is None else optimizer
+        )
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """One micro-batch through the TrainStep (the update runs inside its last one); the loss
+        as the Trainer's ``training_step`` returns it, computed on the device."""
+        step = self._step()
+        if self.current_gradient_accumulation_steps != self.args.gradient_accumulation_steps:
+            raise ConfigError(self._short_window_message())
+        self._model().train()
+        batch = _tensor_batch(self._prepare_inputs(inputs))
+        if num_items_in_batch is not None:
+            batch[NUM_ITEMS] = torch.as_tensor(num_items_in_batch, device=self.args.device)
+        assert self._view is not None
+        self._view.push_lr()  # the LR the scheduler set since the last update
+        loss = step(batch)
+        if not self._loss_scaled_for_ga(num_items_in_batch):
+            loss = loss / self.current_gradient_accumulation_steps
+        if self._filter_nan_inf:
+            # the Trainer's filter, on the device: a non-finite loss counts as the mean so far
+            mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            loss = torch.where(torch.isfinite(loss), loss, mean)
+        return loss
+
+    def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor | None:
+        return self._latest_grad_norm()  # clipped inside the graph
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> torch.Tensor | None:
+        return self._latest_grad_norm() if grad_norm is None else grad_norm
+
+    # ----------------------------------------------------------------- public
+    def report(self) -> TrainerReport:
+        """The TrainStep's report (warm-up, captures, replays, fallbacks) and the host syncs the
+        Trainer's loop still makes."""
+        syncs = [
+            f"every logging_steps={self.args.logging_steps}: loss, grad_norm .item() "
+            "(the Trainer's logging)"
+        ]
+        if self.args.include_num_input_tokens_seen not in ("no", False, None):
+            syncs.append("include_num_input_tokens_seen: a gather and .item() per micro-batch")
+        if self.args.eval_strategy != "no":
+            syncs.append("evaluation: the Trainer's eager evaluation loop")
+        step = None if self.train_step is None else self.train_step.report()
+        return TrainerReport(step, syncs)
+
+    # ----------------------------------------------------------------- helpers
+    def _step(self) -> TrainStep:
+        """The TrainStep, built at the first training step: the checkpoint (if any) is loaded by
+        then, so the optimizer is made graph-safe with its final state."""
+        assert self._handle is not None and self._view is not None
+        real = self._view.optimizer
+        if self.train_step is not None and self.train_step.optimizer is real:
+            self.train_step.scheduler = self.lr_scheduler  # a new train() builds a new one
+            return self.train_step
+        self._check_windows()
+        args = self.args
+        amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        self.train_step = TrainStep(
+            _TrainerLoss(self._model(), self),
+            real,
+            amp=amp,
+            accumulate_calls=args.gradient_accumulation_steps,
+            clip_grad_norm=clip,
+            grad_norm=clip is None,
+            scheduler=self.lr_scheduler,
+            ddp_kwargs=_ddp_kwargs(args),
+            **self.step_options,
+        )
+        return self.train_step
+
+    def _model(self) -> nn.Module:
+        assert isinstance(self.model, nn.Module), "the Trainer was built without a model"
+        return self.model
+
+    def _check_windows(self) -> None:
+        """Refuse, before training, a run whose epochs end in a short accumulation window."""
+        k = self.args.gradient_accumulation_steps
+        loader = self.callback_handler.train_dataloader
+        if loader is None:
+            return
+        try:
+            batches = len(loader)
+        except TypeError:
+            return  # an iterable data set: max_steps ends the run
+        if batches % k and self.state.max_steps * k > batches:
+            self.current_gradient_accumulation_steps = batches % k
+            raise ConfigError(self._short_window_message(batches))
+
+    def _short_window_message(self, batches: int | None = None) -> str:
+        k = self.args.gradient_accumulation_steps
+        count = f"{batches} batches per epoch, so the" if batches is not None else "The"
+        return (
+            f"{count} epoch's last optimizer step takes {self.current_gradient_accumulation_steps}"
+            f" micro-batch(es), but GraphTrainer's graphed step takes gradient_accumulation_steps"
+            f"={k} per update; make the batches per epoch a multiple of {k} (the data set size, "
+            "per_device_train_batch_size, dataloader_drop_last) or stop inside the first epoch "
+            "with max_steps."
+        )
+
+    def _loss_scaled_for_ga(self, num_items: Any) -> bool:
+        """The Trainer's rule (``training_step``): a loss normalised by ``num_items_in_batch``
+        (by the model or ``compute_loss_func``) is not divided by the accumulation steps."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled)
+        return bool(
+            (self.model_accepts_loss_kwargs and num_items is not None)
+            or self.compute_loss_func is not None
+        )
+
+    def _latest_grad_norm(self) -> torch.Tensor | None:
+        norm = None if self.train_step is None else self.train_step.grad_norm
+        # graph-owned: the next replay overwrites it, the Trainer may log it later
+        return None if norm is None else norm.clone()
+
+    @contextlib.contextmanager
+    def _nan_inf_filter_on_device(self) -> Iterator[None]:
+        self._filter_nan_inf = bool(self.args.logging_nan_inf_filter)
+        self.args.logging_nan_inf_filter = False  # the Trainer's own test syncs the host
+        try:
+            yield
+        finally:
+            self.args.logging_nan_inf_filter = self._filter_nan_inf
+
+
+class _StepHandle(nn.Module):
+    """What the Trainer holds as its wrapped model while the TrainStep trains: the model's
+    parameters (the Trainer counts them), a ``zero_grad`` that leaves the gradients to the graph
+    (it reads and writes the same ``.grad`` tensors on every replay), no forward of its own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "GraphTrainer's training model is run by its TrainStep; call trainer.model(...) "
+            "for a forward of your own."
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+
+class _TrainerLoss(nn.Module):
+    """The module the TrainStep wraps in DDP: ``forward(**batch)`` is the loss as the Trainer's
+    ``training_step`` backpropagates it, through ``Trainer.compute_loss``."""
+
+    def __init__(self, model: nn.Module, trainer: GraphTrainer) -> None:
+        super().__init__()
+        self.module = model
+        self.__dict__["_trainer"] = trainer  # not a submodule: no state, no parameters
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        trainer: GraphTrainer = self.__dict__["_trainer"]
+        num_items = inputs.pop(NUM_ITEMS, None)
+        with trainer.compute_loss_context_manager():
+            loss = trainer.compute_loss(self.module, inputs, num_items_in_batch=num_items)
+        assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
+        k = trainer.args.gradient_accumulation_steps
+        if k > 1 and trainer._loss_scaled_for_ga(num_items):
+            # TrainStep divides each micro-batch's loss by k; this loss is already normalised
+            # over the window, so its gradient is taken back to the Trainer's exactly
+            loss = _UndoDivision.apply(loss, k)  # type: ignore[no-untyped-call]
+        return loss
+
+
+class _UndoDivision(torch.autograd.Function):
+    """Identity forward; backward divides by ``fl(1/k)``, undoing a later ``loss / k``
+    bit for bit (``fl(fl(1/k) * k)`` is not 1.0 for every k; ``x / x`` is; an fp16 loss scale,
+    a power of two, passes through exactly)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.k = k
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # ones_like / k: kernels, no host-to-device copy (capture-safe)
+        return grad / (torch.ones_like(grad) / ctx.k), None
+
+
+def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's ``AcceleratedOptimizer`` and our view."""
+    while (
+        not isinstance(optimizer, torch.optim.Optimizer)
+        or isinstance(optimizer, OptimizerView)
+        or type(optimizer).__name__ == "AcceleratedOptimizer"
+    ):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            break
+        optimizer = inner
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            f"GraphTrainer needs a torch.optim.Optimizer, got {type(optimizer).__name__}; use "
+            "TrainingArguments(optim='adamw_torch') or pass optimizers=(torch.optim.AdamW(...), "
+            "None)."
+        )
+    return optimizer
+
+
+def _tensor_batch(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    others = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    if others:
+        raise ConfigError(
+            f"GraphTrainer's graphed step takes tensors only, but the batch has {others}; let "
+            "the data collator return tensors (or drop those columns: remove_unused_columns)."
+        )
+    return dict(inputs)
+
+
+def _ddp_kwargs(args: Any) -> dict[str, Any]:
+    """DDP's arguments as the Trainer passes them, except ``find_unused_parameters``: False
+    unless set (the Trainer's default True traverses the autograd graph on the host at every
+    forward; the gradients are the same for a model whose parameters are all used)."""
+    kwargs: dict[str, Any] = {"find_unused_parameters": bool(args.ddp_find_unused_parameters)}
+    if args.ddp_bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = args.ddp_bucket_cap_mb
+    if args.ddp_broadcast_buffers is not None:
+        kwargs["broadcast_buffers"] = args.ddp_broadcast_buffers
+    if args.ddp_static_graph is not None:
+        kwargs["static_graph"] = args.ddp_static_graph
+    return kwargs

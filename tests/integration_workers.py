@@ -1,0 +1,283 @@
+"""Workers for the framework integration tests (run by ``run_distributed`` on 2 gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def gpt2_data(n: int = 128, length: int = 16, vocab: int = 100, seed: int = 3) -> list[dict]:
+    """Padded, attention-masked rows: -100 labels on the padding, as a collator makes them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab, (n, length), generator=gen)
+    lengths = torch.randint(4, length + 1, (n,), generator=gen)
+    mask = (torch.arange(length) < lengths[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    return [{"input_ids": ids[i], "attention_mask": mask[i], "labels": labels[i]} for i in range(n)]
+
+
+def tiny_gpt2() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def trainer_args(output_dir: str, **overrides: Any) -> Any:
+    import transformers
+
+    options: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        warmup_steps=4,
+        max_steps=20,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=4,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)
+
+
+def run_trainer(
+    output_dir: str, graphed: bool, resume: str | None = None, rows: int = 128, **overrides: Any
+) -> dict[str, Any]:
+    """Train the tiny GPT-2 with the plain Trainer or GraphTrainer; what they logged and ended
+    with."""
+    import transformers
+
+    from ddpgraph.testing import CpuGraphs
+
+    args = trainer_args(output_dir, **overrides)
+    common = dict(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(rows))
+    if graphed:
+        from ddpgraph.integrations.transformers import GraphTrainer
+
+        trainer = GraphTrainer(**common, step_options={"engine": CpuGraphs()})
+    else:
+        trainer = transformers.Trainer(**common)
+    trainer.train(resume_from_checkpoint=resume)
+    logs = [
+        {k: v for k, v in entry.items() if k in ("step", "loss", "grad_norm", "learning_rate")}
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    ]
+    return {
+        "logs": logs,
+        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "lr": [float(g["lr"]) for g in trainer.optimizer.param_groups],
+        "report": str(trainer.report()) if graphed else None,
+        "rank": int(os.environ.get("RANK", 0)),
+    }
+
+
+def _warmup_schedule(optimizer: Any) -> Any:
+    """A linear warm-up over 4 steps, then a linear decay."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 4) * max(0.1, 1 - s / 40)
+    )
+
+
+def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
+    """Accelerate's documented loop (prepare all, accumulate, backward, clip, step), or the
+    same loop with ``TrainStep.from_accelerator``."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from ddpgraph import TrainStep
+    from ddpgraph.testing import CpuGraphs
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = _warmup_schedule(optimizer)
+    loader = DataLoader(gpt2_data(), batch_size=4)
+    if graphed:
+        loader, scheduler = accelerator.prepare(loader, scheduler)
+        step = TrainStep.from_accelerator(
+            accelerator, model, optimizer, clip_grad_norm=0.5, engine=CpuGraphs()
+        )
+    else:
+        model, optimizer, loader, scheduler = accelerator.prepare(
+            model, optimizer, loader, scheduler
+        )
+    losses, norms, lrs = [], [], []
+    for _ in range(epochs):
+        for batch in loader:
+            with accelerator.accumulate(model):
+                if graphed:
+                    loss = step(batch)
+                    norm = step.grad_norm
+                else:
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                scheduler.step()
+            losses.append(loss.item())
+            if accelerator.sync_gradients:
+                norms.append(norm.item())
+                lrs.append(scheduler.get_last_lr()[0])
+    return _loop_result(model, losses, norms, lrs, step if graphed else None)
+
+
+def run_fabric(graphed: bool, epochs: int = 3, k: int = 2) -> dict[str, Any]:
+    """Fabric's loop (setup, no_backward_sync, backward, clip_gradients, step), or the same loop
+    with ``TrainStep.from_fabric``."""
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from ddpgraph import TrainStep
+    from ddpgraph.testing import CpuGraphs
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision="32-true")
+    fabric.launch()
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = _warmup_schedule(optimizer)
+    loader = fabric.setup_dataloaders(DataLoader(gpt2_data(), batch_size=4))
+    if graphed:
+        step = TrainStep.from_fabric(
+            fabric, model, optimizer, accumulate_calls=k, clip_grad_norm=0.5, engine=CpuGraphs()
+        )
+    else:
+        model, optimizer = fabric.setup(model, optimizer)
+    losses, norms, lrs = [], [], []
+    for _ in range(epochs):
+        for i, batch in enumerate(loader):
+            last = (i + 1) % k == 0
+            if graphed:
+                loss = step(batch)
+            else:
+                with fabric.no_backward_sync(model, enabled=not last):
+                    loss = model(**batch).loss
+                    fabric.backward(loss / k)
+            losses.append(loss.item())
+            if last:
+                if graphed:
+                    norm = step.grad_norm
+                else:
+                    norm = fabric.clip_gradients(model, optimizer, max_norm=0.5)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                scheduler.step()
+                norms.append(norm.item())
+                lrs.append(scheduler.get_last_lr()[0])
+    return _loop_result(model, losses, norms, lrs, step if graphed else None)
+
+
+def _loop_result(model: Any, losses: list, norms: list, lrs: list, step: Any) -> dict[str, Any]:
+    inner = getattr(model, "module", model)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "lrs": lrs,
+        "params": {k: v.detach().clone() for k, v in inner.state_dict().items()},
+        "report": None if step is None else str(step.report()),
+    }
+
+
+def run_lightning(
+    graphed: bool, max_steps: int = 24, checkpoints: str | None = None, resume: str | None = None
+) -> dict[str, Any]:
+    """An unchanged LightningModule (automatic optimization, ``self.log``, a warm-up schedule
+    stepped per step) under ``strategy="ddp"`` or ``GraphStrategy``: accumulation and clipping
+    set on the Trainer."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from ddpgraph.testing import CpuGraphs
+
+    class GPT2Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = tiny_gpt2()
+
+        def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+            loss = self.model(**batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            scheduler = {"scheduler": _warmup_schedule(optimizer), "interval": "step"}
+            return {"optimizer": optimizer, "lr_scheduler": scheduler}
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.lrs: list[float] = []
+            self.steps: list[int] = []
+
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+            self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+            self.steps.append(trainer.global_step)
+
+    if graphed:
+        from ddpgraph.integrations.lightning import GraphStrategy
+
+        strategy: Any = GraphStrategy(
+            process_group_backend="gloo", step_options={"engine": CpuGraphs()}
+        )
+    else:
+        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
+    record = Record()
+    callbacks: list[Any] = [record]
+    if checkpoints is not None:  # every epoch's end (8 steps)
+        save = pl.callbacks.ModelCheckpoint(
+            dirpath=checkpoints, filename="{step}", every_n_train_steps=8, save_top_k=-1
+        )
+        callbacks.append(save)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps,
+        accumulate_grad_batches=2, gradient_clip_val=0.5, callbacks=callbacks,
+        logger=False, enable_checkpointing=checkpoints is not None, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    module = GPT2Module()
+    trainer.fit(module, DataLoader(gpt2_data(), batch_size=4), ckpt_path=resume)
+    step = strategy.train_step if graphed else None
+    result = _loop_result(module.model, record.losses, [], record.lrs, step)
+    result["steps"] = record.steps
+    return result
+
+
+def run_lightning_manual() -> None:
+    """A LightningModule with automatic_optimization=False under GraphStrategy (refused)."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from ddpgraph.integrations.lightning import GraphStrategy
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            pass
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=GraphStrategy(process_group_backend="gloo"),
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))

@@ -1,0 +1,90 @@
+"""``GraphTrainer``: transformers' Trainer with a graphed TrainStep trains bit for bit as the
+Trainer's own DDP run (2 gloo ranks, the real capture policy on the CPU): a tiny GPT-2 built
+here on padded, attention-masked batches, gradient accumulation (with ``num_items_in_batch``),
+clipping, a linear warm-up and decay; the same logged loss, grad norm and learning rate; a
+resume from the Trainer's own checkpoint lands where the Trainer's run does."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ddpgraph import ConfigError
+from ddpgraph.testing import run_distributed
+
+from . import integration_workers as workers
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(600)
+
+RUN_S = 540  # one Trainer run of 20 steps on 2 ranks, on a loaded 2-core machine
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("plain")
+    return out, run_distributed(workers.run_trainer, 2, args=(str(out), False), timeout=RUN_S)
+
+
+def _same(ours, theirs):
+    assert ours["logs"] == theirs["logs"]  # loss, grad_norm, learning_rate: exact floats
+    assert ours["lr"] == theirs["lr"]
+    for name, value in theirs["params"].items():
+        assert torch.equal(ours["params"][name], value), name
+
+
+def test_graph_trainer_trains_bit_for_bit_as_the_trainer(plain, tmp_path):
+    _, theirs = plain
+    ours = run_distributed(workers.run_trainer, 2, args=(str(tmp_path), True), timeout=RUN_S)
+    for rank in range(2):
+        _same(ours[rank], theirs[rank])
+    # the schedule really drove the update: warm-up from 0, linear decay after 4 steps
+    rates = [entry["learning_rate"] for entry in theirs[0]["logs"]]
+    assert rates[0] == 0.0 and max(rates) == 1e-3 and rates[-1] < rates[4]
+    report = ours[0]["report"]
+    assert "mode=graphed" in report and "replays=16" in report, report
+    assert "num_items_in_batch: () float32" in report  # a graph input, not a constant
+
+
+def test_resume_from_the_trainers_own_checkpoint_is_exact(plain, tmp_path):
+    out, theirs = plain
+    checkpoint = str(out / "checkpoint-4")
+    ours = run_distributed(
+        workers.run_trainer, 2, args=(str(tmp_path), True, checkpoint), timeout=RUN_S
+    )
+    for rank in range(2):
+        _same(ours[rank], theirs[rank])  # steps 1-4 from the checkpoint's trainer state
+    assert "replays=8" in ours[0]["report"], ours[0]["report"]
+
+
+def test_an_epoch_ending_in_a_short_accumulation_window_is_refused_before_training(tmp_path):
+    # 9 rows, batch 4 on one rank: 3 batches per epoch, windows of 2: the last would be short
+    errors = run_distributed(
+        workers.run_trainer,
+        1,
+        args=(str(tmp_path), True, None, 9),
+        timeout=RUN_S,
+        return_exceptions=True,
+    )
+    assert isinstance(errors[0], ConfigError), errors
+    assert "last optimizer step takes 1 micro-batch" in str(errors[0])
+
+
+def test_options_the_training_arguments_set_are_refused_in_step_options():
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    with pytest.raises(ConfigError, match=r"\['accumulate_calls', 'amp'\].*set them there"):
+        GraphTrainer(step_options={"amp": "bf16", "accumulate_calls": 2})
+
+
+def test_import_ddpgraph_loads_no_framework():
+    code = (
+        "import sys, ddpgraph, ddpgraph.integrations; print(sorted(m for m in ('transformers', "
+        "'accelerate', 'lightning', 'pytorch_lightning') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
