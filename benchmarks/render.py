@@ -37,6 +37,8 @@ def load() -> list[tuple[str, dict]]:
     found = []
     for path in sorted(RESULTS.glob("*.json")):
         data = json.loads(path.read_text())
+        if data.get("parallel") == "fsdp2":
+            continue  # FSDP2's modes have no eager DDP to compare with: docs/guides/fsdp2.md
         if "configs" in data and "environment" in data and data["environment"].get("gpu"):
             found.append((path.name, data))
     return found
