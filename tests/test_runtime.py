@@ -77,6 +77,16 @@ def test_process_global_state_is_declared_in_one_registry():
     # what must outlive one init(): store keys stay unique, peers keep counting calls
     kept = {n for n, value in _globals.registered().items() if not value.reset_at_shutdown}
     assert {"runtime.store_keys", "runtime.shutdown_hooks", "objects.groups"} <= kept
+    import ddpgraph.distributed.torch_patch  # noqa: F401  (not imported by ddpgraph itself)
+
+    kept = {n for n, value in _globals.registered().items() if not value.reset_at_shutdown}
+    # the step's capture streams, DeviceData's graph tokens and epoch hooks, torch's originals
+    assert {
+        "graphs.capture_streams",
+        "device_data.tokens",
+        "device_data.epoch_end_hooks",
+        "torch_patch.originals",
+    } <= kept
 
 
 def test_repeated_identical_init_is_harmless_and_other_arguments_raise():

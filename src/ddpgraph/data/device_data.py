@@ -25,26 +25,31 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from .._checks import check_int
+from .._globals import Global, process_global
 from ..errors import ConfigError
 from .prefetch import upload_into
 
 __all__ = ["DeviceData", "fits_on_device", "on_epoch_end"]
 
-_TOKENS = itertools.count()
+_TOKENS: Global[Iterator[int]] = process_global(
+    "device_data.tokens", itertools.count, reset_at_shutdown=False
+)
 # called when a loop's iteration over a DeviceData ends an epoch (TrainStep registers one that
 # warns about an accumulation window left open); weak, so a hook never keeps its owner alive
-_EPOCH_END_HOOKS: list[weakref.WeakMethod[Callable[[DeviceData], None]]] = []
+_EPOCH_END_HOOKS: Global[list[weakref.WeakMethod[Callable[[DeviceData], None]]]] = process_global(
+    "device_data.epoch_end_hooks", list, reset_at_shutdown=False
+)
 
 
 def on_epoch_end(hook: Callable[[DeviceData], None]) -> None:
     """Call the bound method ``hook(data)`` whenever ``for batch in data`` finishes an epoch of a
     DeviceData (``data.last_batch`` is the epoch's last; held weakly: it goes with its object)."""
-    _EPOCH_END_HOOKS.append(weakref.WeakMethod(hook))
+    _EPOCH_END_HOOKS.value.append(weakref.WeakMethod(hook))
 
 
 def _epoch_ended(data: DeviceData) -> None:
-    alive = [ref for ref in _EPOCH_END_HOOKS if ref() is not None]
-    _EPOCH_END_HOOKS[:] = alive
+    alive = [ref for ref in _EPOCH_END_HOOKS.value if ref() is not None]
+    _EPOCH_END_HOOKS.value[:] = alive
     for ref in alive:
         hook = ref()
         if hook is not None:
@@ -121,7 +126,7 @@ class DeviceData:
                 f"rank over {replicas} rank(s): not one batch of batch_size={batch_size}; use a "
                 f"batch_size <= {max(self._sampler.num_samples, 1)} or more data."
             )
-        self.token = next(_TOKENS)  # graphs are keyed by it: each reads this object's tensors
+        self.token = next(_TOKENS.value)  # graphs are keyed by it: each reads this object's tensors
         # each gathered tensor's shape, dtype and device: what a step's graph is captured for
         self.batch_shapes = tuple(
             (torch.Size((batch_size, *t.shape[1:])), t.dtype, t.device) for t in self.tensors

@@ -22,13 +22,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._globals import Global, process_global
 from ._object_call import DEFAULT_MAX_BYTES, _Call
 from ._object_exchange import _decode_from, _exchange
 
 __all__ = ["is_patched", "patch_torch", "unpatch"]
 
 _CODEC = "pickle"  # torch's functions send arbitrary objects; so must their replacements
-_originals: dict[tuple[ModuleType, str], Any] = {}
+# torch's own functions while patched (by module and name): the process's, until unpatch()
+_originals: Global[dict[tuple[ModuleType, str], Any]] = process_global(
+    "torch_patch.originals", dict, reset_at_shutdown=False
+)
 
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
@@ -106,19 +110,19 @@ def patch_torch() -> None:
     """
     for module in (dist, dist.distributed_c10d):
         for name, replacement in _REPLACEMENTS.items():
-            _originals.setdefault((module, name), getattr(module, name))
+            _originals.value.setdefault((module, name), getattr(module, name))
             setattr(module, name, replacement)
 
 
 def unpatch() -> None:
     """Restore torch's functions; harmless when not patched."""
-    while _originals:
-        (module, name), original = _originals.popitem()
+    while _originals.value:
+        (module, name), original = _originals.value.popitem()
         setattr(module, name, original)
 
 
 def is_patched() -> bool:
-    return bool(_originals)
+    return bool(_originals.value)
 
 
 def _world_size(group: Any) -> int:
