@@ -6,9 +6,9 @@
                    drop-in for ``transformers.Trainer``
 ``lightning``      :class:`~ddpgraph.integrations.lightning.GraphStrategy` for         ``ddpgraph[lightning]``
                    ``L.Trainer(strategy=...)``
-``accelerate``     :func:`~ddpgraph.integrations.accelerate.from_accelerator`          ``ddpgraph[accelerate]``
+``accelerate``     :meth:`ddpgraph.TrainStep.from_accelerator`                          ``ddpgraph[accelerate]``
                    (``TrainStep.from_accelerator``)
-``fabric``         :func:`~ddpgraph.integrations.fabric.from_fabric`                   ``ddpgraph[lightning]``
+``fabric``         :meth:`ddpgraph.TrainStep.from_fabric`                               ``ddpgraph[lightning]``
                    (``TrainStep.from_fabric``)
 =================  ==================================================================  ======================
 

@@ -15,23 +15,17 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..step import TrainStep
-from ..step.body import LossFn
 
-__all__ = ["amp_of", "from_accelerator"]
+__all__ = ["accelerator_options", "amp_of"]
 
 _AMP = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 _DDP_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")  # where Accelerate itself would use DDP or nothing
 
 
-def from_accelerator(
-    accelerator: Any,
-    model: nn.Module,
-    optimizer: Any,
-    loss_fn: LossFn | None = None,
-    **options: Any,
-) -> TrainStep:
-    """A TrainStep set up as ``accelerator`` says: ``mixed_precision`` as ``amp``,
+def accelerator_options(
+    accelerator: Any, model: nn.Module, optimizer: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """``TrainStep.from_accelerator``'s work: the TrainStep options ``accelerator`` says: ``mixed_precision`` as ``amp``,
     ``gradient_accumulation_steps`` as ``accumulate_calls``, its ``DistributedDataParallelKwargs``
     as ``ddp_kwargs``, the model moved to ``accelerator.device``.
 
@@ -59,15 +53,12 @@ def from_accelerator(
     state = accelerator.gradient_state
     state.plugin_kwargs["sync_with_dataloader"] = False  # a window never ends early
     model.to(accelerator.device)
-    return TrainStep(
-        model,
-        optimizer,
-        loss_fn,
-        amp=amp_of(accelerator.mixed_precision),
-        accumulate_calls=accelerator.gradient_accumulation_steps,
-        ddp_kwargs=ddp_kwargs,
+    return {
+        "amp": amp_of(accelerator.mixed_precision),
+        "accumulate_calls": accelerator.gradient_accumulation_steps,
+        "ddp_kwargs": ddp_kwargs,
         **options,
-    )
+    }
 
 
 def amp_of(mixed_precision: str) -> str | None:

@@ -13,23 +13,17 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
-from ..step import TrainStep
-from ..step.body import LossFn
 
-__all__ = ["amp_of", "from_fabric"]
+__all__ = ["amp_of", "fabric_options"]
 
 _AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 _STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
 
 
-def from_fabric(
-    fabric: Any,
-    model: nn.Module,
-    optimizer: Any,
-    loss_fn: LossFn | None = None,
-    **options: Any,
-) -> TrainStep:
-    """A TrainStep set up as ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
+def fabric_options(
+    fabric: Any, model: nn.Module, optimizer: Any, options: dict[str, Any]
+) -> dict[str, Any]:
+    """``TrainStep.from_fabric``'s work: the TrainStep options ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
     ``"32-true"``) as ``amp``, the model moved to ``fabric.device``; accumulate with
     ``accumulate_calls=k`` (it replaces ``fabric.no_backward_sync``).
 
@@ -50,10 +44,7 @@ def from_fabric(
     model.to(fabric.device)
     ddp_kwargs = dict(getattr(fabric.strategy, "_ddp_kwargs", None) or {})
     ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
-    return TrainStep(
-        model, optimizer, loss_fn, amp=amp_of(fabric.strategy.precision.precision),
-        ddp_kwargs=ddp_kwargs, **options,
-    )  # fmt: skip
+    return {"amp": amp_of(fabric.strategy.precision.precision), "ddp_kwargs": ddp_kwargs, **options}
 
 
 def amp_of(precision: str) -> str | None:

@@ -21,22 +21,24 @@ class FromFrameworks:
 
     @classmethod
     def from_accelerator(
-        cls, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+        cls: Any, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None = None, **options: Any,
     ) -> Any:  # fmt: skip
         """A TrainStep set up as an Accelerate ``Accelerator`` says (mixed_precision as amp,
         gradient_accumulation_steps as accumulate_calls): :mod:`ddpgraph.integrations.accelerate`."""
-        from ..integrations.accelerate import from_accelerator
+        from ..integrations.accelerate import accelerator_options
 
-        return from_accelerator(accelerator, model, optimizer, loss_fn, **options)
+        return cls(
+            model, optimizer, loss_fn, **accelerator_options(accelerator, model, optimizer, options)
+        )
 
     @classmethod
     def from_fabric(
-        cls, fabric: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
+        cls: Any, fabric: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None = None, **options: Any,
     ) -> Any:  # fmt: skip
         """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp):
         :mod:`ddpgraph.integrations.fabric`."""
-        from ..integrations.fabric import from_fabric
+        from ..integrations.fabric import fabric_options
 
-        return from_fabric(fabric, model, optimizer, loss_fn, **options)
+        return cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
