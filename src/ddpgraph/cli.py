@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import tokenize
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import click
 
 from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
+from .cli_bench import prepare_result_set, refuse_ignored_options, result_set
 from .errors import ConfigError
 from .errors import explain as explain_error
 
@@ -258,9 +258,9 @@ def bench(
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
     kind = "fsdp2" if parallel == "fsdp2" else "hf" if hf else "varlen" if varlen else "bench"
-    _refuse_ignored_options(ctx, kind)
+    refuse_ignored_options(ctx, kind)
     out = out or Path(f"benchmarks/results/{kind}.json")
-    _prepare_result_set(out, kind)  # found now, not after the whole run has been measured
+    prepare_result_set(out, kind)  # found now, not after the whole run has been measured
     if kind == "fsdp2":
         from .bench.fsdp2 import FSDP2_CONFIGS, run_fsdp2
 
@@ -301,122 +301,13 @@ def bench(
             quick=quick,
             out=out,
         )
-    for path in _result_set(out, kind):
+    for path in result_set(out, kind):
         if path.exists():
             click.echo(f"ddpgraph bench: wrote {path}")
 
 
 # What each kind of bench run takes besides --repeats and --out; any other option given is
 # refused rather than silently ignored.
-_BENCH_OPTIONS = {
-    "bench": {"configs", "modes", "steps", "quick"},
-    "varlen": {"varlen", "quick"},
-    "hf": {"varlen", "hf", "steps"},
-    "fsdp2": {"configs", "steps", "quick"},
-}
-_BENCH_RUNS = {
-    "bench": "ddpgraph bench",
-    "varlen": "--varlen",
-    "hf": "--varlen --hf",
-    "fsdp2": "--parallel fsdp2",
-}
-
-
-def _refuse_ignored_options(ctx: click.Context, kind: str) -> None:
-    if kind == "hf" and not ctx.params["varlen"]:
-        raise click.UsageError(
-            "--hf runs real transformers models on variable-length batches, a --varlen run: "
-            "add --varlen (e.g. `ddpgraph bench --varlen --hf gpt2`)."
-        )
-    given = [
-        name
-        for name in ("configs", "modes", "steps", "quick")
-        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
-        and name not in _BENCH_OPTIONS[kind]
-    ]
-    if given:
-        flags = ", ".join(_flag(ctx, name) for name in given)
-        raise click.UsageError(
-            f"{flags}: not used by a {_BENCH_RUNS[kind]} run, which takes "
-            f"{', '.join(sorted(_flag(ctx, n) for n in _BENCH_OPTIONS[kind]))}, --repeats and "
-            "--out; leave them out."
-        )
-
-
-def _flag(ctx: click.Context, name: str) -> str:
-    return next(p.opts[0] for p in ctx.command.params if p.name == name)
-
-
-def _result_set(out: Path, kind: str) -> list[Path]:
-    """The files of one run: the JSON, and for a plain run its table and chart beside it."""
-    if kind == "bench":
-        return [out, out.with_suffix(".md"), out.with_suffix(".png")]
-    return [out, out.with_suffix(".md")] if kind == "fsdp2" else [out]
-
-
-def _prepare_result_set(out: Path, kind: str) -> None:
-    """Make ``out`` ready for a ``kind`` run, or refuse it: its folder writable (created and
-    said if new), an existing JSON of the same kind, and the old set's table and chart removed
-    (said), so that an interrupted run never leaves one run's JSON beside another's table."""
-    folder = out.parent
-    created = not folder.exists()
-    problem = _unwritable_file(out)
-    if problem:
-        raise click.BadParameter(problem, param_hint="'--out'")
-    if created:
-        click.echo(f"ddpgraph bench: created {folder}", err=True)
-    found = _result_kind(out)
-    if found is not None and found != kind:
-        raise click.BadParameter(
-            f"{out} holds {found}; this is a {_BENCH_RUNS[kind]} run. Pick another --out, "
-            "or delete that file to replace it.",
-            param_hint="'--out'",
-        )
-    for companion in (out.with_suffix(".md"), out.with_suffix(".png")):
-        if companion.exists() and companion != out:
-            companion.unlink()
-            click.echo(
-                f"ddpgraph bench: removed {companion} (of the set this run replaces)", err=True
-            )
-
-
-def _result_kind(path: Path) -> str | None:
-    """Which kind of bench run wrote ``path`` (None: no file); a text for any other file."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, ValueError):
-        return "a file that is not a ddpgraph bench result"
-    if not isinstance(data, dict):
-        return "a file that is not a ddpgraph bench result"
-    if data.get("parallel") == "fsdp2":
-        return "fsdp2"
-    if "configs" in data:
-        return "bench"
-    if "batches" in data:
-        return "hf"
-    if "config" in data and "runs" in data:
-        return "varlen"
-    return "a file that is not a ddpgraph bench result"
-
-
-def _unwritable_file(path: Path) -> str | None:
-    """Why ``path`` (and the files written beside it) cannot be written, or None."""
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as exc:
-        return (
-            f"{path}: {folder} is not a writable directory ({exc.strerror or exc}); pick another."
-        )
-    if path.exists() and not os.access(path, os.W_OK):
-        return f"{path} exists and is not writable; pick another file or make it writable."
-    return None
-
-
 @cli.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option(

@@ -1,0 +1,122 @@
+"""``ddpgraph bench``'s result sets and option checks: which options a kind of run uses, and the
+files one run writes (replaced whole, never mixed with another run's)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+__all__ = ["prepare_result_set", "refuse_ignored_options", "result_set"]
+
+
+_BENCH_OPTIONS = {
+    "bench": {"configs", "modes", "steps", "quick"},
+    "varlen": {"varlen", "quick"},
+    "hf": {"varlen", "hf", "steps"},
+    "fsdp2": {"configs", "steps", "quick"},
+}
+_BENCH_RUNS = {
+    "bench": "ddpgraph bench",
+    "varlen": "--varlen",
+    "hf": "--varlen --hf",
+    "fsdp2": "--parallel fsdp2",
+}
+
+
+def refuse_ignored_options(ctx: click.Context, kind: str) -> None:
+    if kind == "hf" and not ctx.params["varlen"]:
+        raise click.UsageError(
+            "--hf runs real transformers models on variable-length batches, a --varlen run: "
+            "add --varlen (e.g. `ddpgraph bench --varlen --hf gpt2`)."
+        )
+    given = [
+        name
+        for name in ("configs", "modes", "steps", "quick")
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
+        and name not in _BENCH_OPTIONS[kind]
+    ]
+    if given:
+        flags = ", ".join(_flag(ctx, name) for name in given)
+        raise click.UsageError(
+            f"{flags}: not used by a {_BENCH_RUNS[kind]} run, which takes "
+            f"{', '.join(sorted(_flag(ctx, n) for n in _BENCH_OPTIONS[kind]))}, --repeats and "
+            "--out; leave them out."
+        )
+
+
+def _flag(ctx: click.Context, name: str) -> str:
+    return next(p.opts[0] for p in ctx.command.params if p.name == name)
+
+
+def result_set(out: Path, kind: str) -> list[Path]:
+    """The files of one run: the JSON, and for a plain run its table and chart beside it."""
+    if kind == "bench":
+        return [out, out.with_suffix(".md"), out.with_suffix(".png")]
+    return [out, out.with_suffix(".md")] if kind == "fsdp2" else [out]
+
+
+def prepare_result_set(out: Path, kind: str) -> None:
+    """Make ``out`` ready for a ``kind`` run, or refuse it: its folder writable (created and
+    said if new), an existing JSON of the same kind, and the old set's table and chart removed
+    (said), so that an interrupted run never leaves one run's JSON beside another's table."""
+    folder = out.parent
+    created = not folder.exists()
+    problem = _unwritable_file(out)
+    if problem:
+        raise click.BadParameter(problem, param_hint="'--out'")
+    if created:
+        click.echo(f"ddpgraph bench: created {folder}", err=True)
+    found = _result_kind(out)
+    if found is not None and found != kind:
+        raise click.BadParameter(
+            f"{out} holds {found}; this is a {_BENCH_RUNS[kind]} run. Pick another --out, "
+            "or delete that file to replace it.",
+            param_hint="'--out'",
+        )
+    for companion in (out.with_suffix(".md"), out.with_suffix(".png")):
+        if companion.exists() and companion != out:
+            companion.unlink()
+            click.echo(
+                f"ddpgraph bench: removed {companion} (of the set this run replaces)", err=True
+            )
+
+
+def _result_kind(path: Path) -> str | None:
+    """Which kind of bench run wrote ``path`` (None: no file); a text for any other file."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, ValueError):
+        return "a file that is not a ddpgraph bench result"
+    if not isinstance(data, dict):
+        return "a file that is not a ddpgraph bench result"
+    if data.get("parallel") == "fsdp2":
+        return "fsdp2"
+    if "configs" in data:
+        return "bench"
+    if "batches" in data:
+        return "hf"
+    if "config" in data and "runs" in data:
+        return "varlen"
+    return "a file that is not a ddpgraph bench result"
+
+
+def _unwritable_file(path: Path) -> str | None:
+    """Why ``path`` (and the files written beside it) cannot be written, or None."""
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        return (
+            f"{path}: {folder} is not a writable directory ({exc.strerror or exc}); pick another."
+        )
+    if path.exists() and not os.access(path, os.W_OK):
+        return f"{path} exists and is not writable; pick another file or make it writable."
+    return None
