@@ -16,6 +16,7 @@ PUBLIC = {
     "DeviceData",
     "DistributedStateError",
     "Explanation",
+    "NonFiniteError",
     "ObjectCollectiveError",
     "ResumableLoader",
     "Runtime",

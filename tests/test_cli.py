@@ -159,10 +159,16 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
             ["--steps", "0"],
             ["--batch-size", "x"],
             ["--lr", "0"],
+            ["--lr", "nan"],
+            ["--lr", "inf"],
+            ["--lr", "1e9"],
             ["--nproc", "0"],
             ["--seed", "x"],
             ["--out", str(a_file)],  # a file, not a directory
             ["--timeout", "-1"],
+            ["--timeout", "nan"],
+            ["--timeout", "inf"],
+            ["--timeout", "0.001"],
             ["--checkpoint-every", "0"],
             ["--resume=yes"],
             ["--stop-after", "0"],
@@ -185,9 +191,25 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
         ],
         "lint": [["--format", "xml", __file__], ["--strict=yes", __file__], []],
         "explain": [[""], []],
-        "doctor": [["--json=yes"], ["--nproc", "0"], ["--timeout", "0"]],
+        "doctor": [
+            ["--json=yes"],
+            ["--nproc", "0"],
+            ["--timeout", "0"],
+            ["--timeout", "nan"],
+            ["--timeout", "inf"],
+        ],
         "launch": [[], ["--nproc-per-node", "0", __file__], ["--no-such-option", __file__]],
     }
+
+
+def _float_options(command: str) -> list[str]:
+    import click
+
+    return [
+        p.opts[0]
+        for p in cli.commands[command].params
+        if isinstance(p.type, (click.FloatRange, type(click.FLOAT)))
+    ]
 
 
 def test_every_subcommand_has_help_and_refuses_each_bad_value_in_one_message(tmp_path):
@@ -200,6 +222,9 @@ def test_every_subcommand_has_help_and_refuses_each_bad_value_in_one_message(tmp
         options = {p.opts[0] for p in cli.commands[command].params if p.opts[0].startswith("-")}
         tried = {arg.split("=")[0] for case in cases for arg in case if arg.startswith("--")}
         assert options <= tried, f"{command}: no bad value for {sorted(options - tried)}"
+        for option in _float_options(command):  # nan passes click's own ranges
+            for value in ("nan", "inf"):
+                assert [option, value] in cases, f"{command} {option} {value}: not tried"
         for args in cases:
             result = runner.invoke(cli, [command, *args])
             where = f"ddpgraph {command} {' '.join(args)}:\n{result.output}"
@@ -324,3 +349,23 @@ def test_resume_names_a_checkpoint_that_lost_its_metadata_as_incomplete(tmp_path
         f"--resume found no complete checkpoint in {tmp_path / 'checkpoints'}: step-00004800: "
         f"{step / '.metadata'} (DCP's index of the saved values) is missing. Restore"
     ) in " ".join(result.output.split())
+
+
+# --- a diverged run fails with the step, never "finished" on NaN ------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_a_run_that_diverges_stops_with_the_step_and_exit_1(tmp_path):
+    out = tmp_path / "run"
+    # SGD at the largest --lr allowed diverges the MLP within a few steps
+    job = run_python(["-m", "ddpgraph", "train", "--lr", "10", "--steps", "60", "--out", str(out)],
+                     timeout=280)  # fmt: skip
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr and "finished" not in job.stderr
+    assert re.search(
+        r"ddpgraph train: failed on rank\(s\) 0, 1: NonFiniteError: training diverged at step "
+        r"\d+: the loss or the gradients became NaN or inf \(on at least one rank\); lower --lr "
+        r"\(this run: --lr 10\)\.",
+        job.stderr,
+    ), job.stderr
+    assert not (out / "run.json").exists()

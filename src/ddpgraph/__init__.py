@@ -25,6 +25,7 @@ from .errors import (
     DeviceConflictError,
     DistributedStateError,
     Explanation,
+    NonFiniteError,
     ObjectCollectiveError,
     explain,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "DeviceData",
     "DistributedStateError",
     "Explanation",
+    "NonFiniteError",
     "ObjectCollectiveError",
     "ResumableLoader",
     "Runtime",

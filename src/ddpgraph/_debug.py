@@ -15,6 +15,7 @@ from .errors import (
     ConfigError,
     DeviceConflictError,
     DistributedStateError,
+    NonFiniteError,
     ObjectCollectiveError,
 )
 
@@ -29,6 +30,7 @@ REPORTED = (
     ObjectCollectiveError,
     CollectiveTimeout,
     CaptureError,
+    NonFiniteError,
 )
 
 

@@ -15,6 +15,7 @@ import click
 from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
 from .cli_bench import prepare_result_set, refuse_ignored_options, result_set
+from .cli_types import FiniteFloatRange
 from .errors import ConfigError
 from .errors import explain as explain_error
 
@@ -72,7 +73,13 @@ def cli(debug: bool) -> None:
 @click.option(
     "--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Per rank."
 )
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=0.05, show_default=True)
+@click.option(
+    "--lr",
+    type=FiniteFloatRange(min=0, max=10, min_open=True),
+    default=0.05,
+    show_default=True,
+    help="SGD's learning rate (AdamW's is --lr/50 with --parallel fsdp2).",
+)
 @click.option(
     "--nproc",
     type=click.IntRange(min=1),
@@ -89,7 +96,7 @@ def cli(debug: bool) -> None:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloatRange(min=1),
     default=600.0,
     show_default=True,
     help="Seconds a collective may wait for a peer (ddpgraph.init's timeout).",
@@ -156,7 +163,12 @@ def train(
     steps_per_replay: int,
     parallel: str,
 ) -> None:
-    """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks)."""
+    """Train a built-in model on a synthetic data set, on every local GPU (or 2 CPU ranks).
+
+    Exit status: 0 trained (or stopped at --stop-after); 1 the run failed, its reason said (a
+    diverged run: NaN or inf at step N; a checkpoint that could not be written); 2 a usage error;
+    130 Ctrl-C.
+    """
     from .demo.launch import launch_training
     from .demo.train import TrainConfig
 
@@ -442,7 +454,7 @@ def _decode(data: bytes) -> str:
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1),
+    type=FiniteFloatRange(min=1),
     default=60.0,
     show_default=True,
     help="Seconds a self-test collective may take before it counts as hung.",

@@ -24,6 +24,7 @@ __all__ = [
     "DeviceConflictError",
     "DistributedStateError",
     "Explanation",
+    "NonFiniteError",
     "ObjectArgumentError",
     "ObjectCollectiveError",
     "explain",
@@ -84,6 +85,20 @@ class CollectiveTimeout(TimeoutError):
 
 class CaptureError(RuntimeError):
     """A CUDA-graph capture precondition is unmet, or the captured state was invalidated."""
+
+
+class NonFiniteError(RuntimeError):
+    """Training diverged: an update's loss or gradients were NaN or inf (``check_finite=True``).
+
+    Raised alike on every rank; ``step`` is the first such update (1-based).
+    """
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message, step)
+        self.step = step
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 # --- explain(): known error texts -> causes and fixes -----------------------------------------

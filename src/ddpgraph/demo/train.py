@@ -34,7 +34,7 @@ import ddpgraph
 from .._debug import REPORTED, debug_requested
 from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
 from ..data.device_data import DeviceData, fits_on_device, nbytes_of
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
 from .models import build_model
@@ -141,9 +141,16 @@ def _stop_interrupted(config: TrainConfig) -> None:
 
 def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
     rank = os.environ.get("RANK", "0")
+    # the library's options are the command line's here
+    message = str(exc).replace("raise timeout=", "raise --timeout")
+    if isinstance(exc, NonFiniteError):
+        message = (
+            f"training diverged at step {exc.step}: the loss or the gradients became NaN or inf "
+            f"(on at least one rank); lower --lr (this run: --lr {config.lr:g})."
+        )
     report = {
         "type": type(exc).__name__,
-        "message": str(exc),
+        "message": message,
         "usage": isinstance(exc, ConfigError),  # the caller's input: exit status 2
     }
     _leave(Path(config.out) / FAILED.format(rank=rank), json.dumps(report))
@@ -201,11 +208,17 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
         steps_per_replay=feed.steps_per_call,
         parallel="fsdp2" if config.parallel == "fsdp2" else "auto",
+        check_finite=True,  # a diverged run stops with the step, never "finished" on NaN
     )
     losses = _LossLog(rt.device)
     curve: list[float] = []
     with _Progress(rt.is_main, config.steps) as progress:
         progress.note(feed.description)
+        if config.parallel == "fsdp2":
+            progress.note(
+                "parallel: FSDP2 (fully_shard per block, then the root), AdamW at "
+                f"--lr/50 = {config.lr / 50:g}"
+            )
         start = _interrupt.step = _resume(config, step, feed.state, progress)
         started = time.perf_counter()
         done = start
@@ -217,6 +230,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
                 curve.append(losses.read())
                 progress(done, curve[-1], step.mode)
             if _is_save_point(config, done):
+                step.raise_if_not_finite()  # never a checkpoint of a diverged model
                 # ddpgraph's logger says where it went, on rank 0
                 save_checkpoint(
                     config.checkpoints,
@@ -226,6 +240,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
                     keep_last=KEEP_LAST,
                     config=asdict(config),
                 )
+    step.raise_if_not_finite()  # the last steps too (it waits for the device)
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started

@@ -16,6 +16,7 @@ from torch import nn
 
 from .batch import Batch, Role, gathered_batch
 from .feed import DataFeed
+from .finite import FiniteCheck
 from .options import StepOptions
 from .parallel import DataParallel
 from .precision import Precision
@@ -58,6 +59,7 @@ class StepBody:
         self.set_to_none = False
         self.feed: DataFeed | None = None  # step(data): each step's LR
         self._zeroed = False  # accumulate_calls: gradients zeroed before the first window
+        self.finite: FiniteCheck | None = None  # check_finite: set by the TrainStep
 
     def run(self, batch: Batch, role: Role = "train") -> tuple[torch.Tensor, Any]:
         """The loss (the mean over ``accumulate``'s micro-batches; with ``accumulate_calls``
@@ -85,7 +87,8 @@ class StepBody:
                 with self.precision.autocast():
                     loss, output = self._loss(micro)
                 _check_scalar_loss(loss)
-                self.precision.backward(loss / (self.accumulate * calls))
+                seeded = loss if self.finite is None else self.finite.seed(loss)
+                self.precision.backward(seeded / (self.accumulate * calls))
             part = loss.detach().float() / self.accumulate
             total = part if total is None else total + part
         assert total is not None
@@ -99,6 +102,8 @@ class StepBody:
         step (fp16: unscaled, skipped on inf/NaN), and zero gradients for the next window. Part
         of the "train" run, or on its own (role "update": the script's ``step.update()``)."""
         self.grad_norm = self.precision.update(self.optimizer, self._norm_step())
+        if self.finite is not None:  # before zero_grad: it reads the window's gradients
+            self.finite.record(_grads(self.optimizer), self.grad_norm)
         self.parallel.after_step()
         if self.accumulate_calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
@@ -187,6 +192,10 @@ def model_loss(output: Any) -> torch.Tensor:
         "or targets in the batch (HF models and nanoGPT compute the loss from them) or give a "
         "loss_fn."
     )
+
+
+def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
 
 
 def _is_scalar(value: object) -> bool:

@@ -67,6 +67,10 @@ class StepOptions:
             ``fully_shard``), "ddp", or "fsdp2": shard a plain model with FSDP2 here
             (``fully_shard`` each block with parameters of every ``nn.ModuleList`` /
             ``nn.Sequential``, then the model; see ``ddpgraph.step.parallel.fsdp2.shard_blocks``).
+        check_finite: stop at the first update whose loss or gradients are NaN or inf with a
+            :class:`~ddpgraph.NonFiniteError` naming that step, raised alike on every rank (a
+            call or two later on CUDA: the flag is read back without a host sync per step; at
+            once on the CPU). Not with fp16, whose loss scaler skips overflowed steps by design.
     """
 
     graph: GraphMode = "auto"
@@ -83,6 +87,7 @@ class StepOptions:
     grad_norm: bool = False
     defer_update: bool = False
     parallel: ParallelMode = "auto"
+    check_finite: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("parallel", self.parallel, PARALLEL_CHOICES)
@@ -150,6 +155,14 @@ class StepOptions:
             )
         if not isinstance(self.channels_last, bool):
             raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
+        if not isinstance(self.check_finite, bool):
+            raise ConfigError(f"check_finite={self.check_finite!r} must be True or False.")
+        if self.check_finite and self.amp == "fp16":
+            raise ConfigError(
+                "check_finite=True with amp='fp16': fp16's loss scaler expects overflowed (inf) "
+                "gradients and skips those steps, which the check would stop at; pass "
+                "check_finite=False with fp16, or use amp='bf16'."
+            )
 
 
 def _check_compile(value: object) -> None:

@@ -20,6 +20,7 @@ from .batch import make_batch
 from .body import LossFn, StepBody
 from .engine import GraphEngine, NoCuda, build_graphs
 from .feed import DataFeed
+from .finite import FiniteCheck
 from .frameworks import FromFrameworks
 from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
@@ -96,11 +97,12 @@ class TrainStep(FromFrameworks):
         engine: GraphEngine | None = None,
         defer_update: bool = False,
         parallel: ParallelMode = "auto",
+        check_finite: bool = False,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
-            defer_update, parallel,
+            defer_update, parallel, check_finite,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
@@ -119,6 +121,8 @@ class TrainStep(FromFrameworks):
             self._precision,
             options,
         )
+        self._finite = FiniteCheck(device) if check_finite else None
+        self._body.finite = self._finite
         self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
         graphs = build_graphs(
             engine, options, device, self._body.parallel, self._parameters, optimizer
@@ -190,20 +194,31 @@ class TrainStep(FromFrameworks):
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
-        return self._policy.train(batch, 1, last=last)
+        return self._checked(self._policy.train(batch, 1, last=last))
 
     def update(self) -> None:
         """``defer_update=True``: the optimizer step on the synced window, in place of the script's
         ``optimizer.step()``, with the LR the script set since. On every rank, once per window."""
         self._policy.check_open("update()")
         self._policy.update()
+        if self._finite is not None:
+            self._finite.check()
+
+    def raise_if_not_finite(self) -> None:
+        """``check_finite=True``: wait for the device and raise :class:`~ddpgraph.NonFiniteError`
+        if any update so far was not finite (a host sync: call it at the end of training, or
+        before saving a checkpoint, which then never holds a diverged model). Without the
+        option, nothing. Call on every rank."""
+        if self._finite is not None:
+            self._finite.check(wait=True)
 
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
         n = self._feed.steps_of(data, steps)
         self._policy.check_shape(self._feed.full_batch(data))
         with self._feed.call(data, n, self._report) as batch:
-            return self._policy.train(batch, n)
+            loss = self._policy.train(batch, n)
+        return self._checked(loss)
 
     def evaluate(self, *args: Any) -> Any:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
@@ -283,8 +298,16 @@ class TrainStep(FromFrameworks):
         if "scaler" in state:
             self._precision.load_state_dict(state["scaler"])
         self._report.steps = int(state.get("steps", self._report.steps))
+        if self._finite is not None:  # step counts are calls: accumulate_calls per update
+            self._finite.start_at(self._report.steps // self.options.accumulate_calls)
 
     # ----------------------------------------------------------------- helpers
+    def _checked(self, loss: torch.Tensor) -> torch.Tensor:
+        """``check_finite``: raise if a finished update was not finite (no host sync on CUDA)."""
+        if self._finite is not None:
+            self._finite.check()
+        return loss
+
     def _parameters(self) -> Iterator[nn.Parameter]:
         return self.model.parameters()
 

@@ -1,0 +1,58 @@
+"""Module-level workers for the finite check's multi-process tests (tests/test_finite.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ddpgraph import NonFiniteError, TrainStep
+from ddpgraph.testing import CpuGraphs
+
+from .step_workers import batches, make_model
+
+
+class PoisonedLoss(nn.Module):
+    """Computes its loss and adds ``poison`` to it: a NaN there reaches the loss but, having no
+    gradient path, none of this rank's gradients (only the check's backward seed carries it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, poison: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y) + poison.sum()
+
+
+def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: int = 1) -> None:
+    """Train with check_finite until it raises; a NaN enters rank ``bad_rank``'s step
+    ``bad_step`` (1-based optimizer steps) through the input (``where="input"``) or the loss
+    alone (``"loss"``). Returns only if no error came (the test then fails)."""
+    rank = torch.distributed.get_rank()
+    own = where == "loss"
+    model = PoisonedLoss() if own else make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        None if own else nn.CrossEntropyLoss(),
+        check_finite=True,
+        accumulate_calls=calls,
+        engine=CpuGraphs() if engine == "fake" else None,
+        graph="never" if engine == "never" else "auto",
+    )
+    for call, (x, y) in enumerate(batches(40 * calls, 8, seed=3), start=1):
+        x, y = x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]
+        poison = torch.zeros(1)
+        if rank == bad_rank and (call - 1) // calls + 1 == bad_step and call % calls == 0:
+            if own:
+                poison[0] = float("nan")
+            else:
+                x[0, 0] = float("inf")
+        try:
+            step(x, y, poison) if own else step(x, y)
+        except NonFiniteError as exc:
+            # on the CPU the check reads the flag at once: the call of the bad step raises
+            assert call == bad_step * calls, (call, exc.step)
+            if engine == "fake":
+                assert step.report().replays > 0 and step.mode == "graphed", step.report()
+            raise
+    return None
