@@ -13,6 +13,7 @@ from torch import nn
 
 import ddpgraph
 from ddpgraph import (
+    CheckpointError,
     ResumableLoader,
     TrainStep,
     load_checkpoint,
@@ -227,3 +228,35 @@ def load_with_one_rank_seeing_damage(directory: str, total: int, seer: int) -> d
         return load_then_finish(directory, total)
     finally:
         load.checkpoint_problem = real  # type: ignore[assignment]
+
+
+def save_into_a_full_disk(directory: str, victim: int, where: str) -> BaseException | None:
+    """Save step 2; the save of step 4 meets ENOSPC on rank ``victim``: while DCP writes its
+    tensors (``where="write"``), or on rank 0 while it commits (``"commit"``). Returns the
+    error this rank raised (None: none)."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from ddpgraph.checkpoint import save as save_module
+
+    job = Job()
+    job.train(2)
+    job.save(directory, 2, keep_last=2)
+    job.train(2)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    module, name = (dcp_fs, "_write_item") if where == "write" else (save_module, "_write_synced")
+    original = getattr(module, name)
+    if rank == victim:
+        setattr(module, name, full)
+    try:
+        job.save(directory, 4, keep_last=2)
+    except CheckpointError as exc:
+        return exc
+    finally:  # the test process (one rank, no group) goes on with other tests
+        setattr(module, name, original)
+    return None

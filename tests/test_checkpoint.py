@@ -206,6 +206,31 @@ def test_saving_onto_a_file_or_where_nothing_can_be_written_is_a_checkpoint_erro
         job.save(blocker / "sub", 1)
 
 
+@pytest.mark.parametrize("where", ["write", "commit"])
+def test_a_full_disk_is_one_clear_error_the_partial_removed_the_older_checkpoint_kept(
+    tmp_path, where
+):
+    error = workers.save_into_a_full_disk(str(tmp_path), victim=0, where=where)
+    _assert_full_disk_handled(tmp_path, error, where)
+
+
+def _assert_full_disk_handled(tmp_path, error, where):
+    from ddpgraph.checkpoint import CheckpointWriteError
+
+    assert isinstance(error, CheckpointWriteError), error
+    text = str(error)
+    if where == "write":
+        assert "could not write the checkpoint of step 4 in" in text
+        assert "no space left on the device" in text and "older checkpoints are kept" in text
+    else:
+        assert "could not commit the checkpoint of step 4" in text
+        assert "No space left on device" in text and "older checkpoints are kept" in text
+    assert "MiB free" in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000002"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    assert (tmp_path / "latest").read_text() == "step-00000002\n"
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     job = Job()
     job.train(1)
@@ -375,6 +400,16 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint_loadable(
     for rank in (0, 1):
         assert resumed[rank]["loaded"]["step"] == 2
         assert same(resumed[rank]["tensors"], expected[rank]), rank
+
+
+@pytest.mark.parametrize(("victim", "where"), [(1, "write"), (0, "commit")])
+def test_a_full_disk_on_one_rank_is_the_same_error_on_every_rank(tmp_path, victim, where):
+    errors = run_distributed(
+        workers.save_into_a_full_disk, 2, args=(str(tmp_path), victim, where), timeout=100
+    )
+    assert len({str(e) for e in errors}) == 1, errors
+    for error in errors:
+        _assert_full_disk_handled(tmp_path, error, where)
 
 
 def test_every_rank_refuses_ranks_saving_different_steps(tmp_path):

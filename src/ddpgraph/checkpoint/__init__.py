@@ -18,19 +18,27 @@ any point before that rename leaves the earlier checkpoints as they were and loa
 takes the newest ``step-N`` that loads, and copies the values into the tensors the model and
 optimizer already hold, so CUDA graphs captured over them stay valid. A newest checkpoint damaged
 later (a truncated shard, a lost ``.metadata``, a garbled ``ddpgraph.json``) is skipped, by name
-and reason, for the next older one; every rank agrees on which one it loads.
+and reason, for the next older one; every rank agrees on which one it loads. A save that fails
+(no space left on the device) raises :class:`CheckpointWriteError` on every rank and removes its
+partial directory; the earlier checkpoints stay.
 """
 
 from __future__ import annotations
 
 from .layout import JSON, CheckpointError, Stateful, latest_checkpoint
 from .load import load_checkpoint
-from .save import save_checkpoint, save_checkpoint_async, wait_for_pending_save
+from .save import (
+    CheckpointWriteError,
+    save_checkpoint,
+    save_checkpoint_async,
+    wait_for_pending_save,
+)
 from .state import ResumableLoader
 
 __all__ = [
     "JSON",
     "CheckpointError",
+    "CheckpointWriteError",
     "ResumableLoader",
     "Stateful",
     "latest_checkpoint",

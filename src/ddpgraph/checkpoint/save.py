@@ -44,6 +44,11 @@ from .layout import (
 from .state import _live_state, _resolve
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (no space left, no permission): a failure of the run,
+    not of its arguments. Its partial folder is removed; the older checkpoints are kept."""
+
+
 def _group() -> tuple[int, int, bool]:
     """(rank, world_size, distributed) of the default group, or a single process without one."""
     if dist.is_available() and dist.is_initialized():
@@ -138,7 +143,7 @@ def save_checkpoint(
         "save_checkpoint", directory, step, train_step, model, optimizer, scheduler, loader,
         keep_last, extra,
     )  # fmt: skip
-    _write(save.state, save.partial, save.distributed)
+    _write(save)
     error = _commit_on_rank0(save)
     if save.distributed:
         # every rank learns whether rank 0's commit worked, so all raise alike or none does
@@ -146,7 +151,7 @@ def save_checkpoint(
 
         error = broadcast_object(error, src=0)
     if error is not None:
-        raise CheckpointError(error)
+        raise CheckpointWriteError(error)
     get_logger().info("saved checkpoint of step %d in %s", step, save.final)
     return save.final
 
@@ -282,18 +287,53 @@ def _planner() -> DefaultSavePlanner:
     return DefaultSavePlanner(dedup_save_to_lowest_rank=True)
 
 
-def _write(state: dict[str, Any], partial: Path, distributed: bool) -> None:
+def _write(save: _Save) -> None:
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict_saver import save
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+    partial = save.partial
     try:
         with _quiet_single_process():
-            save(state, checkpoint_id=partial, planner=_planner(), no_dist=not distributed)
-    except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
-        raise CheckpointError(
-            f"save_checkpoint could not write {partial} ({_first_cause(exc)}); check that "
-            f"{partial.parent} is a writable directory with space."
-        ) from None
+            dcp_save(
+                save.state, checkpoint_id=partial, planner=_planner(), no_dist=not save.distributed
+            )
+    except (CheckpointException, OSError) as exc:  # CheckpointException is a BaseException
+        # DCP raises on every rank once every rank's writes have ended: nothing writes there now
+        _remove_partial(save)
+        message = str(_not_written("save_checkpoint", save, exc))
+        if save.distributed:  # rank 0's words (the free space it saw) on every rank
+            from ..distributed.objects import broadcast_object
+
+            message = broadcast_object(message, src=0)
+        raise CheckpointWriteError(message) from None
+
+
+def _not_written(caller: str, save: _Save, exc: BaseException) -> CheckpointWriteError:
+    """The error of a save whose writes failed, its likely reason first: a full disk shows as
+    ENOSPC, or as torch's short-write check ("unexpected pos") in a shard's serialisation."""
+    cause = _first_cause(exc)
+    free = _free_mib(save.root)
+    full = "No space left" in cause or "unexpected pos" in cause or (free is not None and free < 1)
+    reason = "no space left on the device" if full else "the write failed"
+    room = "" if free is None else f"{free:.1f} MiB free; "
+    return CheckpointWriteError(
+        f"{caller} could not write the checkpoint of step {save.step} in {save.root}: {reason} "
+        f"({room}{cause}). Free space there or save elsewhere; the partial "
+        f"{save.partial.name} was removed and the older checkpoints are kept."
+    )
+
+
+def _free_mib(root: Path) -> float | None:
+    try:
+        return shutil.disk_usage(root).free / 2**20
+    except OSError:
+        return None
+
+
+def _remove_partial(save: _Save) -> None:
+    """Rank 0 removes a failed save's partial folder, so that it does not keep the disk full."""
+    if save.rank == 0:
+        shutil.rmtree(save.partial, ignore_errors=True)
 
 
 def _save_async(save: _Save) -> Future[Path]:
@@ -320,10 +360,10 @@ def _save_async(save: _Save) -> Future[Path]:
     def commit(finished: Future[Any]) -> None:
         # runs on DCP's writer thread once this rank's part (and, on rank 0, the metadata) is on disk
         try:
-            finished.result()
+            _written(finished, save)
             error = _commit_on_rank0(save)
             if error is not None:
-                raise CheckpointError(error)
+                raise CheckpointWriteError(error)
         except BaseException as exc:
             done.set_exception(exc)
         else:
@@ -332,6 +372,19 @@ def _save_async(save: _Save) -> Future[Path]:
     upload.add_done_callback(commit)
     _PENDING.value = done
     return done
+
+
+def _written(finished: Future[Any], save: _Save) -> None:
+    """An async save's writes ended: raise as :func:`_write` does if they failed."""
+    try:
+        finished.result()
+    except BaseException as exc:
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        if not isinstance(exc, (CheckpointException, OSError)):
+            raise
+        _remove_partial(save)
+        raise _not_written("save_checkpoint_async", save, exc) from None
 
 
 def _commit_on_rank0(save: _Save) -> str | None:
@@ -356,9 +409,12 @@ def _commit_on_rank0(save: _Save) -> str | None:
         _write_synced(root / LATEST, final.name + "\n", atomic=True)
         _prune(root, save.keep_last)
     except OSError as exc:
+        _remove_partial(save)
+        free = _free_mib(root)
+        room = "" if free is None else f" ({free:.1f} MiB free)"
         return (
-            f"could not commit the checkpoint of step {save.step} in {root}: {exc}; check that the "
-            "directory is writable and has space."
+            f"could not commit the checkpoint of step {save.step} in {root}{room}: {exc}; check "
+            "that the directory is writable and has space. The older checkpoints are kept."
         )
     return None
 

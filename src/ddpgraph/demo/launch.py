@@ -113,6 +113,13 @@ def _failed(config: TrainConfig, exc: Any) -> int:
     reported = _take_failures(config)
     _take(config, INTERRUPTED)  # left by a rank 0 the launcher stopped (SIGTERM): not the news
     codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+    if not reported and REPORTED_EXIT in codes.values():
+        # the workers could not leave their reports in --out (a full disk): they said it above
+        said = ", ".join(str(r) for r, c in sorted(codes.items()) if c == REPORTED_EXIT)
+        _say(
+            f"failed on rank(s) {said}: the reason is above (no room for it in --out {config.out})"
+        )
+        return 1
     if not reported or REPORTED_EXIT not in codes.values():
         _say(f"failed:\n{exc.format_msg()}")
         return 1

@@ -13,7 +13,6 @@ so a run resumed from step k ends bitwise identical to one that never stopped.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -32,7 +31,13 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import ddpgraph
 
 from .._debug import REPORTED, debug_requested
-from ..checkpoint import ResumableLoader, latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import (
+    CheckpointWriteError,
+    ResumableLoader,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ..data.device_data import DeviceData, fits_on_device, nbytes_of
 from ..errors import ConfigError, NonFiniteError
 from ..step import TrainStep
@@ -151,15 +156,24 @@ def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
     report = {
         "type": type(exc).__name__,
         "message": message,
-        "usage": isinstance(exc, ConfigError),  # the caller's input: exit status 2
+        # the caller's input: exit status 2 (a checkpoint the disk had no room for is not)
+        "usage": isinstance(exc, ConfigError) and not isinstance(exc, CheckpointWriteError),
     }
-    _leave(Path(config.out) / FAILED.format(rank=rank), json.dumps(report))
+    if not _leave(Path(config.out) / FAILED.format(rank=rank), json.dumps(report)):
+        # --out is full or gone: the reason goes on the console, which the launcher then says
+        print(f"ddpgraph train: failed on rank {rank}: {report['type']}: {message}",
+              file=sys.stderr)  # fmt: skip
     _exit(REPORTED_EXIT)
 
 
-def _leave(path: Path, text: str) -> None:
-    with contextlib.suppress(OSError):  # the launcher then says less, but still stops cleanly
+def _leave(path: Path, text: str) -> bool:
+    """Write ``text`` for the launcher; False where it cannot be written (a full disk)."""
+    try:
         path.write_text(text)
+    except OSError:
+        path.unlink(missing_ok=True)  # half a report would be worse than none
+        return False
+    return True
 
 
 def _exit(code: int) -> None:
