@@ -198,7 +198,20 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
             ["--timeout", "nan"],
             ["--timeout", "inf"],
         ],
-        "launch": [[], ["--nproc-per-node", "0", __file__], ["--no-such-option", __file__]],
+        "launch": [
+            [],
+            ["--nproc-per-node", "0", __file__],
+            ["--nproc-per-node", "abc", __file__],
+            ["--nnodes", "0", __file__],
+            ["--nnodes", "2:1", __file__],
+            ["--node-rank", "-1", __file__],
+            ["--max-restarts", "-1", __file__],
+            ["--monitor-interval", "nan", __file__],
+            ["--monitor-interval", "inf", __file__],
+            ["--rdzv-conf", "x", __file__],
+            ["--rdzv-backend", "nope", __file__],
+            ["--no-such-option", __file__],
+        ],
     }
 
 
@@ -248,6 +261,19 @@ def test_every_subcommand_has_help_and_refuses_each_bad_value_in_one_message(tmp
         (["--varlen", "--config", "mlp", "--mode", "train_step"], "--config, --mode: not used"),
         (["--varlen", "--hf", "gpt2", "--quick"], "--quick: not used by a --varlen --hf run"),
         (["--parallel", "fsdp2", "--mode", "train_step"], "--mode: not used by a --parallel fsdp2"),
+        (
+            ["--config", "mlp", "--mode", "train_step_fp16"],
+            "train_step_fp16 does not apply to mlp (fp16 is measured next to the bf16 configs",
+        ),
+        (
+            ["--quick", "--mode", "train_step_channels_last"],
+            "train_step_channels_last does not apply to --quick's tiny MLP (channels_last "
+            "applies to conv nets only)",
+        ),
+        (
+            ["--parallel", "fsdp2", "--config", "mlp", "--config", "resnet50"],
+            "mlp, resnet50: DDP config(s); --parallel fsdp2 runs transformer and transformer-large",
+        ),
     ],
 )
 def test_a_bench_option_its_run_would_ignore_is_refused(args, message, tmp_path):
@@ -255,6 +281,36 @@ def test_a_bench_option_its_run_would_ignore_is_refused(args, message, tmp_path)
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
     assert not (tmp_path / "r.json").exists()
+
+
+def test_a_bench_mode_measured_on_some_configs_only_says_where_it_is_not(tmp_path, monkeypatch):
+    import ddpgraph.bench
+
+    monkeypatch.setattr(ddpgraph.bench, "run_bench", _fake_bench_run)
+    args = ["--config", "mlp", "--config", "resnet50", "--mode", "train_step_channels_last"]
+    result = CliRunner().invoke(cli, ["bench", *args, "--out", str(tmp_path / "b.json")])
+    assert result.exit_code == 0, result.output
+    assert (
+        "ddpgraph bench: note: train_step_channels_last is not measured on mlp (channels_last "
+        "applies to conv nets only)"
+    ) in result.output
+
+
+def test_an_empty_bench_out_is_refused_as_empty():
+    result = CliRunner().invoke(cli, ["bench", "--quick", "--out", ""])
+    assert result.exit_code == 2
+    assert "Invalid value for '--out': empty; pass the JSON file to write" in result.output
+    assert "foreign" not in result.output and "delete" not in result.output
+
+
+def test_train_refuses_steps_per_replay_with_the_loader_feed(tmp_path):
+    args = ["train", "--data", "loader", "--steps-per-replay", "4", "--out", str(tmp_path)]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    assert "Invalid value for '--steps-per-replay': 4: steps per replay take their batches" in (
+        " ".join(result.output.split())
+    )
+    assert not list(tmp_path.iterdir())  # refused before anything ran
 
 
 def test_lint_refuses_a_file_that_is_not_python(tmp_path):

@@ -14,7 +14,7 @@ import click
 
 from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
-from .cli_bench import prepare_result_set, refuse_ignored_options, result_set
+from .cli_bench import modes_left_out, prepare_result_set, refuse_ignored_options, result_set
 from .cli_types import FiniteFloatRange
 from .errors import ConfigError
 from .errors import explain as explain_error
@@ -172,6 +172,8 @@ def train(
     from .demo.launch import launch_training
     from .demo.train import TrainConfig
 
+    _check_train_options(data, steps_per_replay)
+
     config = TrainConfig(
         model=model,
         steps=steps,
@@ -189,6 +191,17 @@ def train(
         parallel=parallel,
     )
     raise SystemExit(launch_training(config, nproc=nproc))
+
+
+def _check_train_options(data: str, steps_per_replay: int) -> None:
+    """What click's types cannot see: an option the run would ignore."""
+    given = click.get_current_context().get_parameter_source("steps_per_replay")
+    if data == "loader" and given is not click.core.ParameterSource.DEFAULT:
+        raise click.BadParameter(
+            f"{steps_per_replay}: steps per replay take their batches from the data on the "
+            "device; --data loader feeds one step per call. Drop one of the two.",
+            param_hint="'--steps-per-replay'",
+        )
 
 
 @cli.command()
@@ -271,15 +284,23 @@ def bench(
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
     kind = "fsdp2" if parallel == "fsdp2" else "hf" if hf else "varlen" if varlen else "bench"
     refuse_ignored_options(ctx, kind)
-    out = out or Path(f"benchmarks/results/{kind}.json")
+    if kind == "bench" and "transformer-large" in configs:
+        raise click.BadParameter(
+            "transformer-large is an FSDP2 config; add --parallel fsdp2", param_hint="'--config'"
+        )
+    notes = modes_left_out(list(configs), list(modes), quick) if kind == "bench" else []
+    out = _bench_out(out, kind)
     prepare_result_set(out, kind)  # found now, not after the whole run has been measured
+    for note in notes:
+        click.echo(f"ddpgraph bench: {note}", err=True)
     if kind == "fsdp2":
         from .bench.fsdp2 import FSDP2_CONFIGS, run_fsdp2
 
         other = sorted(set(configs) - set(FSDP2_CONFIGS))
         if other:
             raise click.BadParameter(
-                f"{other} are DDP configs; --parallel fsdp2 runs {sorted(FSDP2_CONFIGS)}",
+                f"{', '.join(other)}: DDP config(s); --parallel fsdp2 runs "
+                f"{' and '.join(sorted(FSDP2_CONFIGS))}",
                 param_hint="'--config'",
             )
         run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
@@ -290,7 +311,8 @@ def bench(
         unknown = sorted(set(names or []) - set(ARCHITECTURES))
         if unknown:
             raise click.BadParameter(
-                f"unknown {unknown}; choose from {', '.join(ARCHITECTURES)}", param_hint="--hf"
+                f"unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
+                param_hint="--hf",
             )
         run_hf(repeats=repeats, out=out, only=names, steps=steps)
     elif kind == "varlen":
@@ -298,11 +320,6 @@ def bench(
 
         run_varlen(repeats=repeats, quick=quick, out=out)
     else:
-        if "transformer-large" in configs:
-            raise click.BadParameter(
-                "transformer-large is an FSDP2 config; add --parallel fsdp2",
-                param_hint="'--config'",
-            )
         from .bench import run_bench
 
         run_bench(
@@ -380,6 +397,18 @@ def explain(source: str) -> None:
         )
         raise SystemExit(1)
     click.echo(found.render())
+
+
+def _bench_out(out: Path | None, kind: str) -> Path:
+    """--out, or the kind's default; an empty one is refused (Path("") is the working folder)."""
+    if out is None:
+        return Path(f"benchmarks/results/{kind}.json")
+    if not str(out).strip() or str(out) == ".":
+        raise click.BadParameter(
+            f"empty; pass the JSON file to write, e.g. benchmarks/results/{kind}.json.",
+            param_hint="'--out'",
+        )
+    return out
 
 
 def _read_message(source: str) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-__all__ = ["prepare_result_set", "refuse_ignored_options", "result_set"]
+__all__ = ["modes_left_out", "prepare_result_set", "refuse_ignored_options", "result_set"]
 
 
 _BENCH_OPTIONS = {
@@ -46,6 +46,33 @@ def refuse_ignored_options(ctx: click.Context, kind: str) -> None:
             f"{', '.join(sorted(_flag(ctx, n) for n in _BENCH_OPTIONS[kind]))}, --repeats and "
             "--out; leave them out."
         )
+
+
+def modes_left_out(configs: list[str], modes: list[str], quick: bool) -> list[str]:
+    """Refuse a --mode that applies to none of the configs run; for one that applies to some,
+    what to say (it is measured only there)."""
+    from .bench import CONFIGS, choose, not_applied
+
+    chosen, _ = choose(configs, modes or None, quick=quick)
+    names = {id(cfg): name for name, cfg in CONFIGS.items()}
+    notes = []
+    for mode in modes:
+        skipped = {
+            names.get(id(cfg), "--quick's tiny MLP"): why
+            for cfg in chosen
+            if (why := not_applied(mode, cfg))
+        }
+        if not skipped:
+            continue
+        why = "; ".join(sorted(set(skipped.values())))
+        if len(skipped) == len(chosen):
+            raise click.BadParameter(
+                f"{mode} does not apply to {', '.join(skipped)} ({why}); pick a config it "
+                "applies to with --config, or leave the mode out.",
+                param_hint="'--mode'",
+            )
+        notes.append(f"note: {mode} is not measured on {', '.join(skipped)} ({why})")
+    return notes
 
 
 def _flag(ctx: click.Context, name: str) -> str:

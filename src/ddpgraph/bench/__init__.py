@@ -253,14 +253,21 @@ def _device_data(cfg: BenchConfig, device: torch.device, k: int) -> DeviceData:
     return DeviceData(x, y, batch_size=cfg.batch_size, device=device, channels_last=cfg.conv)
 
 
+def not_applied(mode: str, cfg: BenchConfig) -> str | None:
+    """Why ``mode`` is not measured on ``cfg``, or None when it is."""
+    if mode == "train_step_channels_last" and not cfg.conv:
+        return "channels_last applies to conv nets only"
+    if mode == "train_step_fp16" and cfg.amp is None:
+        return "fp16 is measured next to the bf16 configs only"
+    return None
+
+
 def run_mode(
     mode: str, cfg: BenchConfig, device: torch.device, batches: list[Any], steps: int
 ) -> dict[str, Any] | None:
-    """One mode of one config; None where the mode does not apply (channels_last off conv nets)."""
-    if mode == "train_step_channels_last" and not cfg.conv:
+    """One mode of one config; None where the mode does not apply (:func:`not_applied`)."""
+    if not_applied(mode, cfg) is not None:
         return None
-    if mode == "train_step_fp16" and cfg.amp is None:
-        return None  # next to bf16 configs only
     with _fresh(device):
         if mode == "eager_ddp":
             return _measure(

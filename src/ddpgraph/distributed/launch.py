@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -172,6 +173,10 @@ def launch(argv: Sequence[str]) -> int:
     target = args.training_script_args[1]
     try:
         torchrun(args)
+    except (ValueError, AssertionError) as exc:
+        # raised by torch's launcher itself (a rendezvous backend or configuration it cannot
+        # use) before or while it starts the workers: the options, not the script
+        raise ConfigError(f"torchrun refused the options: {exc} (see torchrun -h)") from None
     except ChildFailedError as exc:
         # The workers' tracebacks went to their own stderr already; this names rank and exit
         # code, under the user's script rather than our worker module.
@@ -185,6 +190,8 @@ def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     """torchrun's parsed options for ``argv``, with the worker command replaced by ours."""
     args = _parse(argv)
     _check_nproc_per_node(args.nproc_per_node)
+    _check_nnodes(args.nnodes)
+    _check_numbers(args)
     if args.no_python:
         raise ConfigError(
             "ddpgraph launch cannot guard --no-python: the workers would not run Python, so "
@@ -205,16 +212,57 @@ def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+_NPROC_WORDS = ("gpu", "cpu", "auto", "xpu")  # what torch's launcher takes besides a count
+
+
 def _check_nproc_per_node(value: str) -> None:
-    """torch's agent asserts ``nproc_per_node > 0`` after the rendezvous, with no message."""
+    """torch's launcher takes any text here and fails later: int() with a traceback, or its
+    agent's bare ``assert nproc_per_node > 0`` after the rendezvous."""
+    if value in _NPROC_WORDS:
+        return
     try:
         count = int(value)
     except ValueError:
-        return  # "gpu", "cpu", "auto", "xpu": torch's parser knows them and names a bad one
+        raise ConfigError(
+            f"--nproc-per-node {value}: not a number of worker processes; pass an integer of 1 "
+            f"or more (or {' / '.join(_NPROC_WORDS)}), e.g. `{USAGE_EXAMPLE}`."
+        ) from None
     if count < 1:
         raise ConfigError(
             f"--nproc-per-node {value}: each node needs at least 1 worker process; pass "
             f"--nproc-per-node 1 or more (or gpu / cpu / auto), e.g. `{USAGE_EXAMPLE}`."
+        )
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """What torch's launcher asserts without a message, or meets only once it runs."""
+    from torch.distributed.run import config_from_args
+
+    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+        raise ConfigError(
+            f"--monitor-interval {args.monitor_interval}: pass a positive number of seconds "
+            "(torchrun's default is 0.1)."
+        )
+    if args.node_rank < 0:
+        raise ConfigError(f"--node-rank {args.node_rank}: pass 0 or more (this node's rank).")
+    try:
+        config_from_args(args)  # its own checks: --max-restarts, --rdzv-conf, ...
+    except (ValueError, AssertionError) as exc:
+        raise ConfigError(f"{exc} (ddpgraph launch takes torchrun's options; see torchrun -h)")
+
+
+def _check_nnodes(value: str) -> None:
+    """``--nnodes N`` or ``MIN:MAX``: torch's launcher asserts ``0 < MIN <= MAX`` (no message)
+    or fails in int() with a traceback."""
+    parts = value.split(":")
+    try:
+        counts = [int(part) for part in parts]
+    except ValueError:
+        counts = []
+    if len(counts) not in (1, 2) or counts[0] < 1 or counts[-1] < counts[0]:
+        raise ConfigError(
+            f"--nnodes {value}: pass the number of nodes (1 or more), or MIN:MAX with "
+            "1 <= MIN <= MAX for an elastic job, e.g. --nnodes 1 or --nnodes 1:4."
         )
 
 
