@@ -248,7 +248,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
     try:
         config_from_args(args)  # its own checks: --max-restarts, --rdzv-conf, ...
     except (ValueError, AssertionError) as exc:
-        raise ConfigError(f"{exc} (ddpgraph launch takes torchrun's options; see torchrun -h)")
+        raise ConfigError(
+            f"{exc} (ddpgraph launch takes torchrun's options; see torchrun -h)"
+        ) from None
 
 
 def _check_nnodes(value: str) -> None:
