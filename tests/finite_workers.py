@@ -1,4 +1,4 @@
-"""Module-level workers for the finite check's multi-process tests (tests/test_finite.py)."""
+"""Module-level workers for tests/test_finite.py: the finite check, and option checks on 2 ranks."""
 
 from __future__ import annotations
 
@@ -56,3 +56,13 @@ def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: in
                 assert step.report().replays > 0 and step.mode == "graphed", step.report()
             raise
     return None
+
+
+def compile_dict_on_a_sharded_model() -> None:
+    """TrainStep(compile={...}) on a model the script sharded with fully_shard: refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    fully_shard(model)
+    TrainStep(model, torch.optim.AdamW(model.parameters()), nn.CrossEntropyLoss(),
+              compile={"mode": "default"})  # fmt: skip

@@ -296,6 +296,24 @@ def test_a_bench_mode_measured_on_some_configs_only_says_where_it_is_not(tmp_pat
     ) in result.output
 
 
+@pytest.mark.skipif(not Path("/proc/version").exists(), reason="needs Linux's /proc")
+def test_a_bench_out_that_cannot_be_opened_says_the_error_opening_it_gave():
+    import errno
+
+    try:
+        open("/proc/version", "a").close()
+    except OSError as exc:
+        expected = exc.strerror
+    else:
+        pytest.skip("/proc/version is writable here")
+    result = CliRunner().invoke(cli, ["bench", "--quick", "--out", "/proc/version"])
+    assert result.exit_code == 2
+    assert f"/proc/version cannot be written ({expected}); pick another file." in (
+        " ".join(result.output.split())
+    )
+    assert os.strerror(errno.ENOENT) not in result.output
+
+
 def test_an_empty_bench_out_is_refused_as_empty():
     result = CliRunner().invoke(cli, ["bench", "--quick", "--out", ""])
     assert result.exit_code == 2
@@ -419,9 +437,30 @@ def test_a_run_that_diverges_stops_with_the_step_and_exit_1(tmp_path):
     assert job.returncode == 1, job.stderr[-3000:]
     assert "Traceback" not in job.stderr and "finished" not in job.stderr
     assert re.search(
-        r"ddpgraph train: failed on rank\(s\) 0, 1: NonFiniteError: training diverged at step "
+        r"ddpgraph train: failed: NonFiniteError: training diverged at step "
         r"\d+: the loss or the gradients became NaN or inf \(on at least one rank\); lower --lr "
         r"\(this run: --lr 10\)\.",
         job.stderr,
     ), job.stderr
     assert not (out / "run.json").exists()
+
+
+def test_a_timeout_message_names_the_command_lines_option():
+    from ddpgraph import CollectiveTimeout
+    from ddpgraph.demo.train import TrainConfig, reported_message
+
+    exc = CollectiveTimeout("rank 1 did not arrive within 1s; start every rank, or raise timeout=.")
+    assert reported_message(TrainConfig(), exc) == (
+        "rank 1 did not arrive within 1s; start every rank, or raise --timeout."
+    )
+
+
+@pytest.mark.timeout(300)
+def test_an_fsdp2_run_says_so_on_the_console(tmp_path):
+    job = run_python(["-m", "ddpgraph", "train", "--parallel", "fsdp2", "--steps", "4", "--out",
+                      str(tmp_path / "run")], timeout=280)  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert (
+        "ddpgraph train: parallel: FSDP2 (fully_shard per block, then the root), AdamW at "
+        "--lr/50 = 0.001"
+    ) in job.stdout + job.stderr

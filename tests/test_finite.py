@@ -99,3 +99,12 @@ def test_check_finite_with_fp16_is_refused_with_the_reason():
     model = make_model()
     with pytest.raises(ConfigError, match="fp16's loss scaler expects overflowed"):
         TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), amp="fp16", check_finite=True)
+
+
+def test_compile_given_as_a_dict_on_a_sharded_model_is_named_as_given():
+    results = run_distributed(
+        finite_workers.compile_dict_on_a_sharded_model, 2, timeout=120, return_exceptions=True
+    )
+    assert_same_error_everywhere(
+        results, ConfigError, "compile={'mode': 'default'} with a model sharded by fully_shard"
+    )

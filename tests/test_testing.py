@@ -98,3 +98,20 @@ def test_a_guarded_script_runs_its_workers(tmp_path):
     proc = run_python([str(script)], timeout=50)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "2"
+
+
+@pytest.mark.timeout(200)
+def test_run_distributed_works_inside_a_torchrun_job(tmp_path):
+    # torchrun's agent variables (TORCHELASTIC_USE_AGENT_STORE above all) must not reach the
+    # workers: their rendezvous would wait for the agent's store on their own port
+    script = tmp_path / "inside.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "from ddpgraph.testing import run_distributed\n"
+        "if __name__ == '__main__':\n"
+        "    print('ranks', run_distributed(dist.get_rank, 2, timeout=90))\n"
+    )
+    job = run_python(["-m", "torch.distributed.run", "--nproc-per-node", "1", str(script)],
+                     timeout=180)  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "ranks [0, 1]" in job.stdout

@@ -4,8 +4,6 @@ files one run writes (replaced whole, never mixed with another run's)."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import click
@@ -134,16 +132,25 @@ def _result_kind(path: Path) -> str | None:
 
 
 def _unwritable_file(path: Path) -> str | None:
-    """Why ``path`` (and the files written beside it) cannot be written, or None."""
+    """Why ``path`` (and the files written beside it) cannot be written, or None: found by
+    opening it as the run will (a file of its own in its folder), so the error is the real one."""
     folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        return f"{path}: {folder} is not a writable directory (it is a file); pick another."
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            pass
     except OSError as exc:
         return (
             f"{path}: {folder} is not a writable directory ({exc.strerror or exc}); pick another."
         )
-    if path.exists() and not os.access(path, os.W_OK):
-        return f"{path} exists and is not writable; pick another file or make it writable."
+    try:
+        if path.exists():
+            with open(path, "a"):  # appends nothing: the file is left as it is
+                pass
+        else:
+            with open(path, "x"):
+                pass
+            path.unlink()
+    except OSError as exc:
+        return f"{path} cannot be written ({exc.strerror or exc}); pick another file."
     return None

@@ -216,6 +216,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+_AGENT_PREFIXES = ("TORCHELASTIC_", "GROUP_", "ROLE_")  # torchrun's own, besides RANK & co.
+
+
 def _worker(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -225,6 +228,10 @@ def _worker(
     init: bool,
     results: mp.Queue[_Outcome],
 ) -> None:
+    for name in [n for n in os.environ if n.startswith(_AGENT_PREFIXES)]:
+        # called under torchrun: the agent's variables would send this job's rendezvous to the
+        # agent's store (TORCHELASTIC_USE_AGENT_STORE), where no one answers
+        del os.environ[name]
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     os.environ.update(base_env)  # a caller's env may override RANK / LOCAL_RANK on purpose
     try:

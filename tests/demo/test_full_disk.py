@@ -47,9 +47,9 @@ def test_a_checkpoint_that_fills_the_disk_is_one_line_exit_1_and_the_older_one_i
     job = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=child_env(),
                          capture_output=True, text=True, timeout=280)  # fmt: skip
     assert job.returncode == 1, job.stderr[-3000:]
-    line = next(text for text in job.stderr.splitlines() if "failed on rank" in text)
+    line = next(text for text in job.stderr.splitlines() if "failed: " in text)
     assert re.fullmatch(
-        r"ddpgraph train: failed on rank\(s\) 0(, 1)?: CheckpointWriteError: save_checkpoint "
+        r"ddpgraph train: failed: CheckpointWriteError: save_checkpoint "
         rf"could not write the checkpoint of step 20 in {mount}/run/checkpoints: no space left "
         r"on the device \(0\.\d MiB free; .*\)\. Free space there or save elsewhere; the partial "
         r"\.step-00000020\.partial-\w+ was removed and the older checkpoints are kept\.",
@@ -70,4 +70,34 @@ def test_workers_that_could_not_leave_their_reports_are_said_to_have_printed_the
     assert err == (
         "ddpgraph train: failed on rank(s) 0: the reason is above (no room for it in --out "
         f"{tmp_path})\n"
+    )
+
+
+def test_different_errors_are_said_per_rank_and_one_error_once(tmp_path, capsys):
+    import json
+
+    from ddpgraph.demo.launch import _failed
+    from ddpgraph.demo.train import FAILED
+
+    config = TrainConfig(out=str(tmp_path))
+    for rank, message in enumerate(["a", "b"]):
+        report = {"type": "ConfigError", "message": message, "usage": True}
+        (tmp_path / FAILED.format(rank=rank)).write_text(json.dumps(report))
+    failures = {r: SimpleNamespace(exitcode=REPORTED_EXIT) for r in (0, 1)}
+    assert _failed(config, SimpleNamespace(failures=failures)) == 2
+    err = capsys.readouterr().err
+    assert "failed on rank(s) 0: ConfigError: a\n" in err
+    assert "failed on rank(s) 1: ConfigError: b\n" in err
+
+
+def test_ctrl_c_before_the_first_checkpoint_names_when_it_would_have_come(tmp_path):
+    from ddpgraph.demo.launch import _interrupted
+
+    config = TrainConfig(out=str(tmp_path), checkpoint_every=500)
+    assert _interrupted(config, None, "SIGINT") == (
+        "interrupted (SIGINT) before the first step; no checkpoint saved yet (the first comes at "
+        "step 500), so a new run starts from step 0."
+    )
+    assert "pass --checkpoint-every N" in _interrupted(
+        TrainConfig(out=str(tmp_path)), None, "SIGINT"
     )

@@ -260,7 +260,7 @@ def test_a_run_says_where_it_stopped_saves_its_end_and_reports_worker_errors_pla
     assert failed.returncode == 2, failed.stderr[-3000:]
     # the first rank to fail ends the job; a peer may be stopped before it reports the same
     assert re.search(
-        r"ddpgraph train: failed on rank\(s\) [01](, 1)?: CheckpointError: no checkpoint in "
+        r"ddpgraph train: failed: CheckpointError: no checkpoint in "
         + re.escape(f"{broken / 'checkpoints'} loads: step-00000030: {shard} is truncated (100 of"),
         failed.stderr,
     ), failed.stderr[-3000:]
@@ -327,7 +327,7 @@ def test_a_reported_worker_error_is_one_line_per_message_and_other_endings_are_n
     }
     assert _failed(config, SimpleNamespace(failures=failures)) == 2
     err = capsys.readouterr().err
-    assert "ddpgraph train: failed on rank(s) 0: CheckpointError: no checkpoint loads\n" in err
+    assert "ddpgraph train: failed: CheckpointError: no checkpoint loads\n" in err
     assert (
         "ddpgraph train: also ended: rank 1 (exit code -15), rank 2 (stopped by SIGTERM)\n" in err
     )

@@ -126,7 +126,11 @@ def _failed(config: TrainConfig, exc: Any) -> int:
     by_text: dict[str, list[int]] = {}
     for rank, failure in sorted(reported.items()):
         by_text.setdefault(f"{failure['type']}: {failure['message']}", []).append(rank)
-    for text, ranks in by_text.items():
+    if len(by_text) == 1:
+        # ddpgraph raises its errors alike on every rank; which ones reported before the
+        # launcher stopped the others says nothing (the message names a rank where one matters)
+        _say(f"failed: {next(iter(by_text))}")
+    for text, ranks in by_text.items() if len(by_text) > 1 else ():
         _say(f"failed on rank(s) {', '.join(map(str, ranks))}: {text}")
     # a peer stopped by the launcher once the first rank failed, or one that died otherwise
     others = {r: c for r, c in codes.items() if c != REPORTED_EXIT and r not in reported}
@@ -155,6 +159,11 @@ def _interrupted(config: TrainConfig, nproc: int | None, signal_name: str) -> st
         else f"interrupted ({signal_name}) before the first step"
     )
     found = latest_checkpoint(config.checkpoints) if _checkpoints_are_this_runs(config) else None
+    if found is None and config.checkpoint_every is not None:
+        return (
+            f"{where}; no checkpoint saved yet (the first comes at step "
+            f"{config.checkpoint_every}), so a new run starts from step 0."
+        )
     if found is None:
         return (
             f"{where}; no checkpoint saved, so a new run starts from step 0 (pass "

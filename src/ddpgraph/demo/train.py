@@ -146,13 +146,7 @@ def _stop_interrupted(config: TrainConfig) -> None:
 
 def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
     rank = os.environ.get("RANK", "0")
-    # the library's options are the command line's here
-    message = str(exc).replace("raise timeout=", "raise --timeout")
-    if isinstance(exc, NonFiniteError):
-        message = (
-            f"training diverged at step {exc.step}: the loss or the gradients became NaN or inf "
-            f"(on at least one rank); lower --lr (this run: --lr {config.lr:g})."
-        )
+    message = reported_message(config, exc)
     report = {
         "type": type(exc).__name__,
         "message": message,
@@ -164,6 +158,16 @@ def _stop_reported(config: TrainConfig, exc: BaseException) -> None:
         print(f"ddpgraph train: failed on rank {rank}: {report['type']}: {message}",
               file=sys.stderr)  # fmt: skip
     _exit(REPORTED_EXIT)
+
+
+def reported_message(config: TrainConfig, exc: BaseException) -> str:
+    """``exc``'s message in the command line's words: its options, not the library's."""
+    if isinstance(exc, NonFiniteError):
+        return (
+            f"training diverged at step {exc.step}: the loss or the gradients became NaN or inf "
+            f"(on at least one rank); lower --lr (this run: --lr {config.lr:g})."
+        )
+    return str(exc).replace("raise timeout=", "raise --timeout")
 
 
 def _leave(path: Path, text: str) -> bool:

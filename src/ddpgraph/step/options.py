@@ -22,6 +22,7 @@ __all__ = [
     "NewShapePolicy",
     "StepOptions",
     "check_arguments",
+    "check_compile_fits",
     "check_loss_fn",
     "check_model",
     "check_optimizer",
@@ -163,6 +164,18 @@ class StepOptions:
                 "gradients and skips those steps, which the check would stop at; pass "
                 "check_finite=False with fp16, or use amp='bf16'."
             )
+
+
+def check_compile_fits(model: nn.Module, compile: bool | Mapping[str, Any]) -> None:
+    """``compile`` on a model the script sharded with ``fully_shard``, named as it was given."""
+    from .parallel.fsdp2 import find_fsdp2
+
+    if compile and find_fsdp2(model):
+        raise ConfigError(
+            f"compile={compile!r} with a model sharded by fully_shard (FSDP2): torch.compile "
+            "around FSDP2's root does not compose with its hooks inside one graph; compile each "
+            "block before fully_shard (torchtitan's way: block.compile()) and pass compile=False."
+        )
 
 
 def _check_compile(value: object) -> None:

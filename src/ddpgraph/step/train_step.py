@@ -29,6 +29,7 @@ from .options import (
     NewShapePolicy,
     StepOptions,
     check_arguments,
+    check_compile_fits,
     model_device,
 )
 from .parallel import ParallelMode, unwrap, wrap
@@ -105,6 +106,7 @@ class TrainStep(FromFrameworks):
             defer_update, parallel, check_finite,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
+        check_compile_fits(model, compile)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler
         self.device = device = model_device(model)
