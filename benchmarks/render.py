@@ -1,6 +1,6 @@
 """Regenerate the performance numbers of README.md and docs/benchmarks.md from benchmarks/results.
 
-Usage: python benchmarks/render.py   (the chart needs matplotlib: pip install 'ddpgraph[plot]')
+Usage: python benchmarks/render.py   (the chart needs matplotlib: pip install -e '.[plot]' in the clone)
        python benchmarks/render.py --objects   (only docs/benchmarks.md's object collectives)
 
 Only numbers recorded in benchmarks/results/*.json appear; nothing is typed by hand. Each cell is
@@ -54,9 +54,9 @@ def section(results: list[tuple[str, dict]]) -> str | None:
     parts = [
         *scope(results),
         "",
-        "Step time in ms, median over repeated runs (× eager DDP: the median of per-run ratios,",
-        "each within one run). One column per config; each cell is the newest measurement of",
-        "that mode, its letter the result file it comes from.",
+        "Step time in ms, median over repeated runs (× eager DDP: that median over eager DDP's",
+        "median in the same result file). One column per config; each cell is the newest",
+        "measurement of that mode, its letter the result file it comes from.",
         "",
         *by_mode_table(rows, modes, marks, _step_cell),
         "",
@@ -171,7 +171,7 @@ def headline(results: list[tuple[str, dict]]) -> str | None:
         return None
     modes = [m for m in HEADLINE_MODES if any(m in r["modes"] for r in rows)]
     lines = [
-        "Median step time in ms (× eager DDP, within one run; lower is faster):",
+        "Median step time in ms (× eager DDP's median of the same run; lower is faster):",
         "",
         "| config | " + " | ".join(MODE_TITLES[m] for m in modes) + " |",
         "|---|" + "---:|" * len(modes),

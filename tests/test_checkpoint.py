@@ -231,6 +231,18 @@ def _assert_full_disk_handled(tmp_path, error, where):
     assert (tmp_path / "latest").read_text() == "step-00000002\n"
 
 
+def test_reshard_at_the_same_world_size_restores_the_rng_and_data_position_too(tmp_path):
+    # the FSDP2 guide's promise: only another world size leaves them as they are
+    job = Job()
+    job.train(2)
+    job.save(tmp_path, 2)
+    expected = (torch.rand(3), job.batches.state_dict())
+    job.train(3)
+    ddpgraph.load_checkpoint(tmp_path, train_step=job.step, loader=job.batches, reshard=True)
+    assert torch.equal(torch.rand(3), expected[0])
+    assert job.batches.state_dict() == expected[1]
+
+
 def test_saving_a_step_again_replaces_it(tmp_path):
     job = Job()
     job.train(1)

@@ -141,3 +141,22 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert ".venv/bin/python -m pytest -q" in readme
     assert "\npython -m pytest -q\n" in ci
+
+
+def test_graph_auto_on_a_machine_without_cuda_is_eager_without_a_warning_as_the_guides_say():
+    # the framework guides and graphed-training.md: eager, the reason in report().fallbacks
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from ddpgraph import TrainStep
+
+    if torch.cuda.is_available():
+        pytest.skip("the promise is about a machine without CUDA")
+    model = nn.Linear(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
+        step(torch.randn(3, 4), torch.randn(3, 2))
+    assert step.mode == "eager" and "not CUDA" in step.report().fallbacks[0]

@@ -152,10 +152,12 @@ def test_cli_text_output_and_exit_status():
     )
 
 
-def test_cli_clean_file_exits_zero():
+def test_cli_clean_file_exits_zero_and_says_so():
     result = CliRunner().invoke(cli, ["lint", str(FIXTURES / "gather_rank_fixed.py")])
     assert result.exit_code == 0, result.output
-    assert result.output == ""
+    assert result.stdout == "" and result.stderr == "no findings in 1 file\n"
+    two = CliRunner().invoke(cli, ["lint", *[str(FIXTURES / "gather_rank_fixed.py")] * 2])
+    assert two.stderr == "no findings in 2 files\n"
 
 
 def test_cli_json_output():
@@ -235,7 +237,7 @@ def test_strict_must_be_a_bool():
 
 def test_cli_strict_prints_notes_but_exits_zero_without_findings():
     library = str(FIXTURES / "dg101_negative_library.py")
-    assert CliRunner().invoke(cli, ["lint", library]).output == ""
+    assert CliRunner().invoke(cli, ["lint", library]).output == "no findings in 1 file\n"
     result = CliRunner().invoke(cli, ["lint", "--strict", library])
     assert result.exit_code == 0, result.output
     assert "dg101_negative_library.py:16:5: DG101 note: dist.all_gather_object()" in result.output

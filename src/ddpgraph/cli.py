@@ -377,7 +377,14 @@ def lint(files: tuple[Path, ...], fmt: str, strict: bool) -> None:
         if findings:
             notes = f", {len(findings) - proven} note(s)" if strict else ""
             click.echo(f"{proven} finding(s){notes}", err=True)
+        elif not errors:  # a clean file gets a word too: silence reads as "did it run?"
+            click.echo(f"no findings in {_count_files(files)}", err=True)
     raise SystemExit(2 if errors else 1 if proven else 0)
+
+
+def _count_files(paths: tuple[Path, ...]) -> str:
+    count = sum(len(list(p.rglob("*.py"))) if p.is_dir() else 1 for p in paths)
+    return f"{count} file{'s' * (count != 1)}"
 
 
 @cli.command()

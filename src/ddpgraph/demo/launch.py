@@ -217,6 +217,11 @@ def _notes(config: TrainConfig) -> list[str]:
             f"trains: the only checkpoint will be the one at the end (step {config.last_step}); "
             "pass a smaller --checkpoint-every for checkpoints along the way."
         )
+    if config.max_restarts and every is None:
+        notes.append(
+            f"--max-restarts {config.max_restarts} without --checkpoint-every: a restart trains "
+            "again from step 0; pass --checkpoint-every N to restart from the newest checkpoint."
+        )
     found = latest_checkpoint(config.checkpoints)
     if found is not None and not _checkpoints_are_this_runs(config):
         notes.append(

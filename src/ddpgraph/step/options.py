@@ -39,7 +39,8 @@ class StepOptions:
     """TrainStep's options, validated when the TrainStep is built (keyword-only there).
 
     Attributes:
-        graph: "auto" captures where CUDA is available, else eager with a warning saying why;
+        graph: "auto" captures where CUDA is available, else eager with the reason in
+            ``report().fallbacks`` (and a warning where CUDA is there but capture is not);
             "always" raises :class:`CaptureError` instead; "never" stays eager.
         amp: None, bf16 (``"bf16"``, ``"bfloat16"``, ``torch.bfloat16``) or fp16 (``"fp16"``,
             ``"float16"``, ``torch.float16``): autocast around forward and loss. fp16 adds dynamic

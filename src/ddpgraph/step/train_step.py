@@ -88,7 +88,7 @@ class TrainStep(FromFrameworks):
         on_new_shape: NewShapePolicy = "eager",
         warmup: int | None = None,
         ddp_kwargs: Mapping[str, Any] | None = None,
-        scheduler: Any = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         compile: bool | Mapping[str, Any] = False,
         channels_last: bool = False,
         grad_scaler: Mapping[str, float] | None = None,

@@ -1,5 +1,6 @@
-"""``ddpgraph train`` on a disk that fills up: the reason on the console, exit status 1, the
-partial checkpoint removed and the older ones kept."""
+"""What ``ddpgraph train``'s launcher says: a disk that fills up (the reason on the console, exit
+status 1, the partial checkpoint removed and the older ones kept), errors per rank, Ctrl-C before
+the first checkpoint, restarts without checkpoints."""
 
 from __future__ import annotations
 
@@ -101,3 +102,14 @@ def test_ctrl_c_before_the_first_checkpoint_names_when_it_would_have_come(tmp_pa
     assert "pass --checkpoint-every N" in _interrupted(
         TrainConfig(out=str(tmp_path)), None, "SIGINT"
     )
+
+
+def test_restarts_without_checkpoints_are_told_they_start_over(tmp_path):
+    from ddpgraph.demo.launch import _notes
+
+    (note,) = _notes(TrainConfig(out=str(tmp_path), max_restarts=2))
+    assert note == (
+        "--max-restarts 2 without --checkpoint-every: a restart trains again from step 0; pass "
+        "--checkpoint-every N to restart from the newest checkpoint."
+    )
+    assert _notes(TrainConfig(out=str(tmp_path), max_restarts=2, checkpoint_every=10)) == []
