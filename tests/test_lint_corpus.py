@@ -90,3 +90,37 @@ def test_false_positive_rate_is_at_most_five_percent():
 def test_every_label_gives_a_reason(section: str):
     for entry in labels()[section]:
         assert entry["label"] in ("true", "defensible", "false") and len(str(entry["reason"])) > 20
+
+
+# ---- DG109 on the llm.c port (examples/ports/llmc, karpathy/llm.c's train_gpt2.py, MIT) ----
+
+LLMC = Path(__file__).parent.parent / "examples" / "ports" / "llmc"
+
+
+def _llmc_ported_without_defer_update() -> str:
+    """examples/ports/llmc/ported.py as a first port would be: accumulate_calls without
+    defer_update=True, the loop's optimizer.step() line dropped (the step updates itself)."""
+    ported = (LLMC / "ported.py").read_text()
+    naive = ported.replace("\n                           defer_update=True, amp=", "\n"
+                           "                           amp=")  # fmt: skip
+    naive = naive.replace("        train_step.update()\n", "")
+    assert naive.count("\n") == ported.count("\n") - 1, "ported.py changed: update this edit"
+    return naive
+
+
+def test_lint_finds_the_llmc_loops_lr_set_after_the_window_and_names_defer_update():
+    from ddpgraph.doctor.lint import lint_source
+
+    source = _llmc_ported_without_defer_update()
+    findings = [f for f in lint_source(source, "train_gpt2.py") if f.code == "DG109"]
+    assert [source.splitlines()[f.line - 1].strip() for f in findings] == ["param_group['lr'] = lr"]
+    (finding,) = findings
+    assert "one step late" in finding.message and "defer_update=True" in finding.fix
+    assert "train_step.update()" in finding.fix
+
+
+def test_the_llmc_port_as_written_and_its_originals_have_no_dg109():
+    files = [LLMC / "ported.py", LLMC / "baseline.py", LLMC / "original" / "train_gpt2.py"]
+    findings, errors = lint_paths(files)
+    assert errors == [] and [f for f in findings if f.code == "DG109"] == []
+    assert not [f for f in corpus_findings() if f.code == "DG109"]  # none in the real corpus

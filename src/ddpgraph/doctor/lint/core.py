@@ -57,6 +57,12 @@ RULES: dict[str, Rule] = {
             "static-input-rebound",
             "static graph input re-bound by assignment instead of copy_() between replays",
         ),
+        Rule(
+            "DG109",
+            "lr-after-window",
+            "param group LR set after the window's calls of a TrainStep(accumulate_calls=k) "
+            "without defer_update=True: applied one step late",
+        ),
     )
 }
 

@@ -17,6 +17,7 @@ from .device import check_unbound_device
 from .object_lists import check_object_list_size
 from .replay import check_double_step, check_static_rebound
 from .warmup import check_warmup_count
+from .window_lr import check_lr_after_window
 
 _NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z0-9, ]+))?", re.IGNORECASE)
 
@@ -29,6 +30,7 @@ CHECKS: tuple[Callable[[Module, Report], None], ...] = (
     check_optimizer_capturable,  # DG106
     check_double_step,  # DG107
     check_static_rebound,  # DG108
+    check_lr_after_window,  # DG109
 )
 
 
