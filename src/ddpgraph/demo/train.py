@@ -43,6 +43,7 @@ from ..errors import ConfigError, NonFiniteError
 from ..step import TrainStep
 from .data import SAMPLE_SHAPES, synthetic_patterns
 from .models import build_model
+from .progress import Progress
 
 TRAIN_SAMPLES = 8192
 EVAL_SAMPLES = 2048
@@ -230,7 +231,7 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
     )
     losses = _LossLog(rt.device)
     curve: list[float] = []
-    with _Progress(rt.is_main, config.steps) as progress:
+    with Progress(rt.is_main, config.steps) as progress:
         progress.note(feed.description)
         if config.parallel == "fsdp2":
             progress.note(
@@ -351,7 +352,7 @@ def _next_stop(config: TrainConfig, done: int) -> int:
     return stop
 
 
-def _resume(config: TrainConfig, step: TrainStep, batches: Any, progress: _Progress) -> int:
+def _resume(config: TrainConfig, step: TrainStep, batches: Any, progress: Progress) -> int:
     """The step to start from: the newest checkpoint's with --resume or after a restart, else 0.
 
     torch's elastic agent restarts every worker of a job whose rank died (``--max-restarts``)
@@ -482,62 +483,6 @@ def _evaluate(step: TrainStep, config: TrainConfig, rt: ddpgraph.Runtime) -> flo
 def _gather(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     # ddpgraph's checked collective: safe codec, every rank fails alike, no hang on a bad rank
     return ddpgraph.all_gather_object(metrics, timeout=60.0)
-
-
-class _Progress:
-    """A rich progress bar on the main rank (loss, steps/s, mode); a no-op elsewhere."""
-
-    def __init__(self, enabled: bool, total: int) -> None:
-        self._enabled = enabled
-        self._total = total
-        self._bar: Any = None
-        self._started = time.perf_counter()
-        self._first = 0  # the step this run started from (resumed runs start later)
-
-    def __enter__(self) -> _Progress:
-        if self._enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-            self._bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn(
-                    "loss {task.fields[loss]}  {task.fields[rate]} steps/s  {task.fields[mode]}"
-                ),
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("train", total=self._total, loss="-", rate="-", mode="")
-        return self
-
-    def start_at(self, done: int) -> None:
-        self._first = done
-        self._started = time.perf_counter()
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done)
-
-    def note(self, text: str) -> None:
-        """A line above the bar on the main rank (checkpoints saved, resumes)."""
-        if not self._enabled:
-            return
-        if self._bar is not None:
-            self._bar.console.print(
-                f"ddpgraph train: {text}", markup=False, highlight=False, soft_wrap=True
-            )
-        else:
-            print(f"ddpgraph train: {text}", flush=True)
-
-    def __call__(self, done: int, loss: float, mode: str) -> None:
-        if self._bar is None:
-            return
-        rate = (done - self._first) / (time.perf_counter() - self._started)
-        self._bar.update(
-            self._task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:.0f}", mode=mode
-        )
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
