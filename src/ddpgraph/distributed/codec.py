@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import torch
 
@@ -53,11 +54,10 @@ _EXT_BYTES = 8  # a long bytes value, its bytes after the body
 _COLUMN_MIN = 32
 # the only dtypes a column names: decoded through this table, never through np.dtype(name)
 _COLUMN_DTYPES: dict[str, np.dtype] = {
-    "<f8": np.dtype("<f8"),
-    "<i4": np.dtype("<i4"),
-    "<i8": np.dtype("<i8"),
+    name: np.dtype(name) for name in ("<f8", "|i1", "<i2", "<i4", "<i8")
 }
-_INT32 = np.iinfo(np.int32)
+# an int column travels in the narrowest of these that holds its values (labels: one byte each)
+_INT_WIDTHS = [np.dtype(name) for name in ("|i1", "<i2", "<i4")]
 _COLUMN_DEPTH = 100  # nesting levels searched for columns
 # bytes values at least this long travel after the body too: msgpack would copy them into its
 # own growing buffer first (the walk that finds columns finds them)
@@ -215,18 +215,18 @@ class _Encoder:
     def column(self, items: Any) -> msgpack.ExtType | None:
         """The items as one array (a column extension), if they are all floats or all ints
         that fit in 64 bits; else None."""
-        kinds = set(map(type, items))
-        if kinds == {float}:
+        kind = type(next(iter(items)))
+        # the exact type of every item, at C speed (a set of the types costs twice this)
+        if kind not in (float, int) or list(map(type, items)).count(kind) != len(items):
+            return None
+        if kind is float:
             array = np.fromiter(items, dtype=np.float64, count=len(items))
-        elif kinds == {int}:
+        else:
             try:
                 array = np.fromiter(items, dtype=np.int64, count=len(items))
             except OverflowError:
                 return None
-            if _INT32.min <= array.min() and array.max() <= _INT32.max:
-                array = array.astype(np.int32)  # ids and labels: half the bytes
-        else:
-            return None
+            array = _narrowest(array)
         array = array.astype(array.dtype.newbyteorder("<"), copy=False)
         meta = self.pack([array.dtype.str, len(array), self.offset])
         raw = array.view(np.uint8).data
@@ -239,6 +239,16 @@ class _Encoder:
         self.buffers.append(raw)
         self.offset += raw.nbytes
         return msgpack.ExtType(code, meta)
+
+
+def _narrowest(array: np.ndarray) -> np.ndarray:
+    """An int64 array in the narrowest int dtype that holds its values: fewer bytes to move."""
+    low, high = int(array.min()), int(array.max())
+    for dtype in _INT_WIDTHS:
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return array.astype(dtype)
+    return array
 
 
 def _unsupported(obj: Any, exc: Exception) -> UnsupportedTypeError:
@@ -350,13 +360,16 @@ def _decode_data(payload: memoryview) -> Any:
 class _Decoder:
     def __init__(self, buffers: memoryview) -> None:
         self.buffers = buffers  # the array bytes that follow the body
+        # msgspec's decoder reads the bodies msgpack's packer writes: it builds the same plain
+        # values (never a class a payload names) and reuses the str of short repeated dict keys,
+        # so a list of records decodes ~1.5x faster than with msgpack's unpacker (as fast as
+        # pickle's C loop); extension values still come through ext_hook.
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext_hook)
 
     def unpack(self, body: memoryview | bytes) -> Any:
-        return msgpack.unpackb(
-            body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
-        )
+        return self.decoder.decode(body)
 
-    def ext_hook(self, code: int, data: bytes) -> Any:
+    def ext_hook(self, code: int, data: bytes | memoryview) -> Any:
         if code == _EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
         if code == _EXT_TUPLE:
@@ -383,7 +396,7 @@ class _Decoder:
             return np.frombuffer(meta[1], dtype=dtype)[0]
         raise DecodeError(f"unknown extension type {code}")
 
-    def tensor(self, data: bytes) -> torch.Tensor:
+    def tensor(self, data: bytes | memoryview) -> torch.Tensor:
         dtype, shape, raw = self.array_meta(data, _torch_dtype)
         if not raw.nbytes:
             return torch.empty(shape, dtype=dtype)
@@ -391,14 +404,14 @@ class _Decoder:
         flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
         return flat.view(dtype).reshape(shape)
 
-    def column(self, data: bytes) -> list[Any]:
+    def column(self, data: bytes | memoryview) -> list[Any]:
         dtype, _, raw = self.array_meta(data, _column_dtype, column=True)
         array = np.frombuffer(raw, dtype=dtype)
         # int64's tolist is about twice as fast as int32's: widen first (a copy of 8 bytes each)
         values: list[Any] = (array.astype(np.int64) if dtype.kind == "i" else array).tolist()
         return values
 
-    def dict_column(self, data: bytes) -> dict[Any, Any]:
+    def dict_column(self, data: bytes | memoryview) -> dict[Any, Any]:
         """[the keys, packed as a list][the values' column header]."""
         unpacker = msgpack.Unpacker(
             None, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
@@ -415,7 +428,7 @@ class _Decoder:
 
     def array_meta(
         self,
-        data: bytes,
+        data: bytes | memoryview,
         to_dtype: Callable[[str], Any],
         *,
         column: bool = False,
