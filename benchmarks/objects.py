@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -65,6 +66,8 @@ from ddpgraph.distributed.codec import encode_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["bytes", "floats", "ints", "tensor", "numpy"]
+# the evaluation sweep (--sweep eval): what an evaluation gathers, sized in items (samples)
+EVAL_KINDS = ["labels", "scores", "records", "scores_tensor"]
 SIZES = {
     "100B": 100,
     "10KB": 10_000,
@@ -73,10 +76,13 @@ SIZES = {
     "10MB": 10_000_000,
     "100MB": 100_000_000,
 }
+ITEMS = {"1e3": 10**3, "1e4": 10**4, "1e5": 10**5, "1e6": 10**6}
 # timed calls per method and run, by size, after WARMUP untimed ones (each run warms up again;
 # two calls are enough for the learned slot, three steady the small sizes' caches)
 ITERATIONS = {"100B": 15, "10KB": 15, "100KB": 11, "1MB": 7, "10MB": 3, "100MB": 1}
+ITERATIONS |= {"1e3": 11, "1e4": 9, "1e5": 5, "1e6": 3}
 WARMUP = {"100B": 3, "10KB": 3, "100KB": 3, "1MB": 3, "10MB": 2, "100MB": 2}
+WARMUP |= {"1e3": 3, "1e4": 3, "1e5": 3, "1e6": 2}
 LIMITS = (
     "100MB only at world size 2 and only for bytes, tensor and numpy, without ddpgraph_cold (over "
     "the 64 MiB learned-slot cap every call is cold); 10MB at world size 4 only for bytes, tensor "
@@ -87,8 +93,16 @@ LIMITS = (
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
+EVAL_LIMITS = (
+    "1e6 items of labels, scores and records only up to 4 ranks (at 8, every rank decodes 8 "
+    "million Python objects a call: memory and half an hour on 2 cores)"
+)
+
+
 def runs_case(kind: str, size: str, world: int) -> bool:
-    """Whether a case is in the sweep (see ``LIMITS``)."""
+    """Whether a case is in the sweep (see ``LIMITS`` and ``EVAL_LIMITS``)."""
+    if size in ITEMS:
+        return size != "1e6" or world <= 4 or kind == "scores_tensor"
     if size == "100MB":
         return world <= 2 and kind in ("bytes", "tensor", "numpy")
     if size == "10MB":
@@ -97,7 +111,21 @@ def runs_case(kind: str, size: str, world: int) -> bool:
 
 
 def make_object(kind: str, nbytes: int, rank: int) -> Any:
-    """About ``nbytes`` of ``kind`` (encoded), different on every rank."""
+    """About ``nbytes`` of ``kind`` (encoded), different on every rank; for the evaluation
+    kinds, ``nbytes`` items (samples): one per sample."""
+    rnd = random.Random(rank)
+    if kind == "labels":  # predicted classes of 1000
+        return [rnd.randrange(1000) for _ in range(nbytes)]
+    if kind == "scores":
+        return [rnd.random() for _ in range(nbytes)]
+    if kind == "records":
+        first = rank * nbytes
+        return [
+            {"id": first + i, "pred": rnd.randrange(10), "score": rnd.random()}
+            for i in range(nbytes)
+        ]
+    if kind == "scores_tensor":
+        return torch.rand(nbytes, generator=torch.Generator().manual_seed(rank))
     if kind == "bytes":
         return {"rank": rank, "blob": bytes([rank % 256]) * nbytes}
     if kind == "floats":  # ~9 bytes a value + ~7 a key
@@ -224,7 +252,7 @@ def measure(
             if not runs_case(kind, size, world):
                 continue
             started = time.perf_counter()
-            obj = make_object(kind, SIZES[size], rank)
+            obj = make_object(kind, ITEMS.get(size) or SIZES[size], rank)
             # the raw floor moves the largest rank's encoded size from every rank
             nbytes = max(dg.all_gather_object(sum(len(p) for p in encode_parts(obj))))
             iters = max(2, ITERATIONS[size] // 3) if quick else ITERATIONS[size]
@@ -276,6 +304,15 @@ def _worker(*args: Any) -> list[dict[str, Any]] | None:
     return measure(*args)
 
 
+def _load_note() -> str:
+    """The machine's load when the sweep ended: on a shared machine the numbers are noisy."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -287,8 +324,14 @@ def main() -> None:
         "--world-sizes", type=_csv, default=None, help="comma-separated (default 2,4,8 on gloo)"
     )
     parser.add_argument("--world-size", type=int, help="one world size (as --world-sizes N)")
-    parser.add_argument("--kinds", type=_csv, default=KINDS)
-    parser.add_argument("--sizes", type=_csv, default=list(SIZES))
+    parser.add_argument(
+        "--sweep",
+        choices=["bytes", "eval"],
+        default="bytes",
+        help="bytes: kinds x encoded sizes; eval: labels/scores/records/tensor x 1e3..1e6 items",
+    )
+    parser.add_argument("--kinds", type=_csv, default=None)
+    parser.add_argument("--sizes", type=_csv, default=None)
     parser.add_argument(
         "--ops", type=_csv, default=["all_gather"], help="all_gather,gather,broadcast"
     )
@@ -297,9 +340,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
-    unknown = sorted(set(args.kinds) - set(KINDS)) + sorted(set(args.sizes) - set(SIZES))
+    kinds, sizes = (EVAL_KINDS, list(ITEMS)) if args.sweep == "eval" else (KINDS, list(SIZES))
+    args.kinds, args.sizes = args.kinds or kinds, args.sizes or sizes
+    unknown = sorted(set(args.kinds) - set(kinds)) + sorted(set(args.sizes) - set(sizes))
     if unknown:
-        parser.error(f"unknown kinds/sizes {unknown}; kinds {KINDS}, sizes {list(SIZES)}")
+        parser.error(f"unknown kinds/sizes {unknown}; kinds {kinds}, sizes {sizes}")
     work = (args.backend, args.kinds, args.sizes, args.ops, args.runs, args.quick)
 
     cases: list[dict[str, Any]] = []
@@ -332,11 +377,14 @@ def main() -> None:
         "git_commit": git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "limits": LIMITS,
+        "limits": EVAL_LIMITS if args.sweep == "eval" else LIMITS,
+        "sweep": args.sweep,
+        "load": _load_note(),
         "cases": cases,
     }
     kind = "cuda" if on_gpu else "cpu"
-    out = args.out or ROOT / "benchmarks" / "results" / f"objects-{kind}-{args.backend}.json"
+    stem = f"objects-{'eval-' if args.sweep == 'eval' else ''}{kind}-{args.backend}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'ws':>3} {'kind':>6} {'size':>5} {'torch ms':>10} {'ddpgraph':>10} {'cold':>10} "
