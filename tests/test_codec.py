@@ -347,6 +347,21 @@ def test_int_columns_travel_in_the_narrowest_width_that_holds_them(low, high, wi
     assert same(decode(encode(as_dict)), as_dict)
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        [i % 7 - 3 for i in range(5000)],  # few distinct values: decoded through a table
+        [(1 << 62) + i % 3 for i in range(5000)],
+        [-(1 << 63), (1 << 63) - 1] * 600 + [0] * 4000,  # two extremes: no table
+        list(range(3000)),  # all distinct
+    ],
+    ids=["labels", "far-labels", "extremes", "distinct"],
+)
+def test_long_int_columns_come_back_as_exact_ints(values):
+    out = decode(encode(values))
+    assert out == values and {type(v) for v in out} == {int}
+
+
 def test_lists_of_records_round_trip_with_their_key_order():
     records = [{"id": i, "pred": i % 10, "score": i / 3} for i in range(5000)]
     records[7] = {"pred": 1, "id": 7, "score": 0.5}  # another key order in one record

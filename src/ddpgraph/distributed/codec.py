@@ -58,6 +58,7 @@ _COLUMN_DTYPES: dict[str, np.dtype] = {
     name: np.dtype(name) for name in ("<f8", "|i1", "<i2", "<i4", "<i8")
 }
 # an int column travels in the narrowest of these that holds its values (labels: one byte each)
+_LOOKUP_MIN = 1024  # int columns at least this long may decode through a table (_few_distinct)
 _INT_WIDTHS = [np.dtype(name) for name in ("|i1", "<i2", "<i4")]
 _COLUMN_DEPTH = 100  # nesting levels searched for columns
 # bytes values at least this long travel after the body too: msgpack would copy them into its
@@ -418,9 +419,12 @@ class _Decoder:
     def column(self, data: bytes | memoryview) -> list[Any]:
         dtype, _, raw = self.array_meta(data, _column_dtype, column=True)
         array = np.frombuffer(raw, dtype=dtype)
+        if dtype.kind != "i":
+            floats: list[Any] = array.tolist()
+            return floats
         # int64's tolist is about twice as fast as int32's: widen first (a copy of 8 bytes each)
-        values: list[Any] = (array.astype(np.int64) if dtype.kind == "i" else array).tolist()
-        return values
+        wide = array.astype(np.int64)
+        return _few_distinct(wide) or wide.tolist()
 
     def dict_column(self, data: bytes | memoryview) -> dict[Any, Any]:
         """[the keys, packed as a list][the values' column header]."""
@@ -471,6 +475,20 @@ class _Decoder:
                 f"{len(self.buffers)}"
             )
         return dtype, shape, self.buffers[offset : offset + nbytes]
+
+
+def _few_distinct(values: np.ndarray) -> list[Any] | None:
+    """Ints over a range much shorter than the column (labels, classes) as a list that shares
+    one int object per value, taken from a table at C speed (~1.6x faster than making an int
+    per item, as tolist and pickle do); None for other columns."""
+    if len(values) < _LOOKUP_MIN:
+        return None
+    low, high = int(values.min()), int(values.max())
+    if high - low >= len(values) // 4:
+        return None
+    table = np.arange(low, high + 1, dtype=np.int64).astype(object)
+    shared: list[Any] = table[values - low].tolist()
+    return shared
 
 
 def _torch_dtype(name: str) -> torch.dtype:
