@@ -413,6 +413,13 @@ def _objects_sweep(path: Path, data: dict) -> list[str]:
         "run), then the same call with no size history (`cold`: two collectives above 16 KiB), "
         "and ddpgraph's milliseconds. Left out: " + data.get("limits", "nothing") + ".",
     ]
+    if data.get("sweep") == "eval":
+        parts[0] += (
+            " Sizes are items per rank (labels: ints < 1000; scores: floats; records: "
+            '`{"id", "pred", "score"}`; scores_tensor: float32).'
+        )
+    if "load" in data:
+        parts[0] += f" Machine at the end: {data['load']} (shared with other work: noisy)."
     for world in sorted({c["world_size"] for c in cases}):
         here = [c for c in cases if c["world_size"] == world]
         sizes = list(dict.fromkeys(c["size"] for c in here))

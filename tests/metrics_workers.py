@@ -27,8 +27,10 @@ def dataset(n: int = SAMPLES) -> TensorDataset:
 
 
 def logits_of(x: torch.Tensor) -> torch.Tensor:
-    weight = torch.arange(FEATURES * CLASSES, dtype=torch.float64).reshape(FEATURES, CLASSES) - 5
-    return x @ weight  # small integers: exact in float64 whatever the batch
+    weight = torch.arange(FEATURES * CLASSES, dtype=torch.float64, device=x.device) - 5
+    return x @ weight.reshape(
+        FEATURES, CLASSES
+    )  # small integers: exact in float64 whatever the batch
 
 
 def evaluate(loader: DataLoader) -> dict[str, Any]:
