@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import pickle
 import struct
 from collections import OrderedDict, namedtuple
@@ -459,3 +460,15 @@ def test_corrupt_raw_bytes_raise_decode_error(meta):
     payload = framed(msgpack.packb(msgpack.ExtType(8, msgpack.packb(meta))), b"abcd")
     with pytest.raises(DecodeError):
         decode(payload)
+
+
+@pytest.mark.parametrize("was_on", [True, False])
+def test_decoding_leaves_the_cycle_collector_as_it_was(was_on):
+    (gc.enable if was_on else gc.disable)()
+    try:
+        assert decode(encode([{"id": i} for i in range(100)]))[99] == {"id": 99}
+        with pytest.raises(DecodeError):
+            decode(framed(b"\xc1", b""))  # 0xc1 is never valid msgpack
+        assert gc.isenabled() is was_on
+    finally:
+        gc.enable()
