@@ -44,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -65,6 +66,8 @@ from ddpgraph.distributed.codec import encode_parts
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ["bytes", "floats", "ints", "tensor", "numpy"]
+# the evaluation sweep (--sweep eval): what an evaluation gathers, sized in items (samples)
+EVAL_KINDS = ["labels", "scores", "records", "scores_tensor"]
 SIZES = {
     "100B": 100,
     "10KB": 10_000,
@@ -73,10 +76,13 @@ SIZES = {
     "10MB": 10_000_000,
     "100MB": 100_000_000,
 }
+ITEMS = {"1e3": 10**3, "1e4": 10**4, "1e5": 10**5, "1e6": 10**6}
 # timed calls per method and run, by size, after WARMUP untimed ones (each run warms up again;
 # two calls are enough for the learned slot, three steady the small sizes' caches)
 ITERATIONS = {"100B": 15, "10KB": 15, "100KB": 11, "1MB": 7, "10MB": 3, "100MB": 1}
+ITERATIONS |= {"1e3": 11, "1e4": 9, "1e5": 5, "1e6": 3}
 WARMUP = {"100B": 3, "10KB": 3, "100KB": 3, "1MB": 3, "10MB": 2, "100MB": 2}
+WARMUP |= {"1e3": 3, "1e4": 3, "1e5": 3, "1e6": 2}
 LIMITS = (
     "100MB only at world size 2 and only for bytes, tensor and numpy, without ddpgraph_cold (over "
     "the 64 MiB learned-slot cap every call is cold); 10MB at world size 4 only for bytes, tensor "
@@ -87,8 +93,22 @@ LIMITS = (
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
+EVAL_LIMITS = (
+    "1e6 items of labels and scores only up to 4 ranks, records from 1e5 items only up to 4 ranks "
+    "and at 1e6 only at 2 (each rank decodes world_size x the items as Python objects a call for "
+    "each of torch and ddpgraph: ranks were killed for memory at 4 ranks x 1e6 records and at 8 "
+    "ranks after 1e5 records, on a 23 GB machine shared with other work)"
+)
+
+
 def runs_case(kind: str, size: str, world: int) -> bool:
-    """Whether a case is in the sweep (see ``LIMITS``)."""
+    """Whether a case is in the sweep (see ``LIMITS`` and ``EVAL_LIMITS``)."""
+    if size in ITEMS:
+        if kind == "records" and size == "1e5":
+            return world <= 4
+        if size != "1e6" or kind == "scores_tensor":
+            return True
+        return world <= (2 if kind == "records" else 4)
     if size == "100MB":
         return world <= 2 and kind in ("bytes", "tensor", "numpy")
     if size == "10MB":
@@ -97,7 +117,21 @@ def runs_case(kind: str, size: str, world: int) -> bool:
 
 
 def make_object(kind: str, nbytes: int, rank: int) -> Any:
-    """About ``nbytes`` of ``kind`` (encoded), different on every rank."""
+    """About ``nbytes`` of ``kind`` (encoded), different on every rank; for the evaluation
+    kinds, ``nbytes`` items (samples): one per sample."""
+    rnd = random.Random(rank)
+    if kind == "labels":  # predicted classes of 1000
+        return [rnd.randrange(1000) for _ in range(nbytes)]
+    if kind == "scores":
+        return [rnd.random() for _ in range(nbytes)]
+    if kind == "records":
+        first = rank * nbytes
+        return [
+            {"id": first + i, "pred": rnd.randrange(10), "score": rnd.random()}
+            for i in range(nbytes)
+        ]
+    if kind == "scores_tensor":
+        return torch.rand(nbytes, generator=torch.Generator().manual_seed(rank))
     if kind == "bytes":
         return {"rank": rank, "blob": bytes([rank % 256]) * nbytes}
     if kind == "floats":  # ~9 bytes a value + ~7 a key
@@ -179,10 +213,13 @@ def methods_for(
 
 def _timed(
     methods: dict[str, Callable[[], Any]], warmup: int, iters: int, sync: Callable[[], None]
-) -> dict:
+) -> dict[str, dict[str, float]]:
     """Median seconds per call of each method on this rank, interleaved call by call in rotating
-    order, so that load from elsewhere on the machine falls on all methods alike."""
-    times: dict[str, list[float]] = {name: [] for name in methods}
+    order, so that load from elsewhere on the machine falls on all methods alike: ``wall`` (what
+    the job waits) and ``cpu`` (this process's CPU time: the work done, which a loaded machine
+    delays but does not inflate as much)."""
+    wall: dict[str, list[float]] = {name: [] for name in methods}
+    cpu: dict[str, list[float]] = {name: [] for name in methods}
     names = list(methods)
     for i in range(warmup + iters):
         # rotate the order too: the call that follows another method's pays for its leftovers
@@ -190,12 +227,16 @@ def _timed(
             fn = methods[name]
             dist.barrier()
             sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             sync()
             if i >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+                wall[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)
+    return {
+        "wall": {name: statistics.median(values) for name, values in wall.items()},
+        "cpu": {name: statistics.median(values) for name, values in cpu.items()},
+    }
 
 
 def _ratios(median: dict[str, float]) -> dict[str, float]:
@@ -224,20 +265,23 @@ def measure(
             if not runs_case(kind, size, world):
                 continue
             started = time.perf_counter()
-            obj = make_object(kind, SIZES[size], rank)
+            obj = make_object(kind, ITEMS.get(size) or SIZES[size], rank)
             # the raw floor moves the largest rank's encoded size from every rank
             nbytes = max(dg.all_gather_object(sum(len(p) for p in encode_parts(obj))))
             iters = max(2, ITERATIONS[size] // 3) if quick else ITERATIONS[size]
             methods = methods_for(obj, nbytes, ops, device, on_gpu)
             if size == "100MB":  # over the learned-slot cap: every call is cold
                 methods.pop("ddpgraph_cold", None)
-            per_run = []
+            per_run, cpu_per_run = [], []
             for _ in range(runs):
                 medians = _timed(methods, WARMUP[size], iters, sync)
-                # the slowest rank's median: the job waits for it
                 per_rank = dg.all_gather_object(medians)
-                per_run.append({n: max(m[n] for m in per_rank) for n in medians})
+                # the slowest rank's median: the job waits for it
+                per_run.append({n: max(m["wall"][n] for m in per_rank) for n in methods})
+                # CPU time: every rank's work, summed
+                cpu_per_run.append({n: sum(m["cpu"][n] for m in per_rank) for n in methods})
             median = {n: statistics.median(r[n] for r in per_run) for n in methods}
+            cpu = {n: statistics.median(r[n] for r in cpu_per_run) for n in methods}
             ratios_per_run = [_ratios(r) for r in per_run]
             case = {
                 "world_size": world,
@@ -250,6 +294,8 @@ def measure(
                 "median_s": median,
                 "runs_s": per_run,
                 "ratios": _ratios(median),
+                "cpu_s": cpu,  # median over the runs of the CPU seconds of all ranks together
+                "cpu_ratios": _ratios(cpu),
                 # each ratio's lowest and highest over the runs (same processes, one run each)
                 "ratio_spread": {
                     k: [min(r[k] for r in ratios_per_run), max(r[k] for r in ratios_per_run)]
@@ -261,6 +307,8 @@ def measure(
             if rank == 0:
                 ratio = case["ratios"].get("ddpgraph_vs_torch")
                 shown = "" if ratio is None else f" ddpgraph/torch {ratio:.2f}"
+                cpu_ratio = case["cpu_ratios"].get("ddpgraph_vs_torch")
+                shown += "" if cpu_ratio is None else f" (CPU time {cpu_ratio:.2f})"
                 print(
                     f"  ws={world} {kind:>6} {size:>5}: ddpgraph "
                     f"{median.get('ddpgraph', float('nan')) * 1e3:8.3f} ms, torch "
@@ -276,6 +324,15 @@ def _worker(*args: Any) -> list[dict[str, Any]] | None:
     return measure(*args)
 
 
+def _load_note() -> str:
+    """The machine's load when the sweep ended: on a shared machine the numbers are noisy."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:
+        return "unknown"
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} cores"
+
+
 def _csv(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -287,8 +344,14 @@ def main() -> None:
         "--world-sizes", type=_csv, default=None, help="comma-separated (default 2,4,8 on gloo)"
     )
     parser.add_argument("--world-size", type=int, help="one world size (as --world-sizes N)")
-    parser.add_argument("--kinds", type=_csv, default=KINDS)
-    parser.add_argument("--sizes", type=_csv, default=list(SIZES))
+    parser.add_argument(
+        "--sweep",
+        choices=["bytes", "eval"],
+        default="bytes",
+        help="bytes: kinds x encoded sizes; eval: labels/scores/records/tensor x 1e3..1e6 items",
+    )
+    parser.add_argument("--kinds", type=_csv, default=None)
+    parser.add_argument("--sizes", type=_csv, default=None)
     parser.add_argument(
         "--ops", type=_csv, default=["all_gather"], help="all_gather,gather,broadcast"
     )
@@ -297,9 +360,11 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/...)")
     args = parser.parse_args()
-    unknown = sorted(set(args.kinds) - set(KINDS)) + sorted(set(args.sizes) - set(SIZES))
+    kinds, sizes = (EVAL_KINDS, list(ITEMS)) if args.sweep == "eval" else (KINDS, list(SIZES))
+    args.kinds, args.sizes = args.kinds or kinds, args.sizes or sizes
+    unknown = sorted(set(args.kinds) - set(kinds)) + sorted(set(args.sizes) - set(sizes))
     if unknown:
-        parser.error(f"unknown kinds/sizes {unknown}; kinds {KINDS}, sizes {list(SIZES)}")
+        parser.error(f"unknown kinds/sizes {unknown}; kinds {kinds}, sizes {sizes}")
     work = (args.backend, args.kinds, args.sizes, args.ops, args.runs, args.quick)
 
     cases: list[dict[str, Any]] = []
@@ -332,11 +397,14 @@ def main() -> None:
         "git_commit": git_commit(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "limits": LIMITS,
+        "limits": EVAL_LIMITS if args.sweep == "eval" else LIMITS,
+        "sweep": args.sweep,
+        "load": _load_note(),
         "cases": cases,
     }
     kind = "cuda" if on_gpu else "cpu"
-    out = args.out or ROOT / "benchmarks" / "results" / f"objects-{kind}-{args.backend}.json"
+    stem = f"objects-{'eval-' if args.sweep == 'eval' else ''}{kind}-{args.backend}"
+    out = args.out or ROOT / "benchmarks" / "results" / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{'ws':>3} {'kind':>6} {'size':>5} {'torch ms':>10} {'ddpgraph':>10} {'cold':>10} "

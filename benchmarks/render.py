@@ -413,6 +413,18 @@ def _objects_sweep(path: Path, data: dict) -> list[str]:
         "run), then the same call with no size history (`cold`: two collectives above 16 KiB), "
         "and ddpgraph's milliseconds. Left out: " + data.get("limits", "nothing") + ".",
     ]
+    if data.get("sweep") == "eval":
+        parts[0] += (
+            " Sizes are items per rank (labels: ints < 1000; scores: floats; records: "
+            '`{"id", "pred", "score"}`; scores_tensor: float32).'
+        )
+    if any("cpu_ratios" in c for c in cases):
+        parts[0] += (
+            " `CPU time`: the same ratio of the CPU seconds of all ranks together (the work "
+            "done, which the machine's load delays but inflates less than wall time)."
+        )
+    if "load" in data:
+        parts[0] += f" Machine at the end: {data['load']} (shared with other work: noisy)."
     for world in sorted({c["world_size"] for c in cases}):
         here = [c for c in cases if c["world_size"] == world]
         sizes = list(dict.fromkeys(c["size"] for c in here))
@@ -444,6 +456,8 @@ def _objects_cell(case: dict) -> str:
         text = f"**{ratios['ddpgraph_vs_torch']:.2f}×** [{lo:.2f}–{hi:.2f}]"
         if "cold_vs_torch" in ratios:
             text += f", cold {ratios['cold_vs_torch']:.2f}×"
+        cpu = case.get("cpu_ratios", {}).get("ddpgraph_vs_torch")
+        text += "" if cpu is None else f", CPU time {cpu:.2f}×"
         texts.append(text + f", {case['median_s']['ddpgraph'] * 1e3:.3g} ms")
     for key, name in (("gather_vs_torch", "gather"), ("broadcast_vs_torch", "broadcast")):
         if key in ratios:

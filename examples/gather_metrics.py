@@ -12,7 +12,8 @@ runs whatever code a peer's pickle contains. With ddpgraph: ``init()`` binds the
 ``all_gather_object(obj)`` returns a list of exactly world-size entries in rank order, tensors
 arrive on the CPU, the default codec never runs a peer's code, and a failure on any rank (an object
 it cannot encode, a rank that skipped the call) raises the same error on every rank instead of
-hanging.
+hanging. ``gather_for_metrics`` gathers the per-sample results themselves, each sample exactly
+once and in data-set order, so a metric over them equals one process's over the whole set.
 
 Run (one process per GPU, or CPU processes on gloo where there is no GPU):
 
@@ -65,6 +66,8 @@ def evaluate(rt: ddpgraph.Runtime, samples: int) -> dict[str, Any]:
         # a 0-d tensor, possibly on this rank's GPU: it arrives on the CPU at every rank
         "loss": F.cross_entropy(logits, labels, reduction="sum").detach(),
         "correct": int((logits.argmax(dim=1) == labels).sum()),
+        # one entry per sample of this rank's shard (a tensor stays a tensor on the way)
+        "per_sample": logits.argmax(dim=1) == labels,
     }
 
 
@@ -102,10 +105,17 @@ def main() -> None:
     with ddpgraph.init() as rt:  # binds the device, creates the group; shuts down on exit
         metrics = evaluate(rt, args.samples)
         # Every rank must make this call. The result has exactly world_size entries, rank order.
+        per_sample = metrics.pop("per_sample")
         everyone = ddpgraph.all_gather_object(metrics)
         assert len(everyone) == rt.world_size
+        # every sample once, in data-set order (this split, dataset[rank::world_size], has no
+        # padding; with a DistributedSampler pass sampler= and its padding is dropped)
+        correct = ddpgraph.gather_for_metrics(per_sample, total=args.samples)
         if rt.is_main:
             print_table(everyone)
+            print(
+                f"per sample: {len(correct)} samples, accuracy {float(correct.float().mean()):.3f}"
+            )
 
 
 if __name__ == "__main__":

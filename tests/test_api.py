@@ -26,6 +26,7 @@ PUBLIC = {
     "all_gather_object",
     "broadcast_object",
     "explain",
+    "gather_for_metrics",
     "gather_object",
     "get_runtime",
     "init",

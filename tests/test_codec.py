@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import datetime
+import gc
 import pickle
 import struct
 from collections import OrderedDict, namedtuple
@@ -325,6 +327,58 @@ def test_columns_carry_eight_bytes_a_float_and_four_an_int_id():
     assert len(encode({f"k{i}": v for i, v in enumerate(floats)})) < 15 * 10_000
 
 
+@pytest.mark.parametrize(
+    ("low", "high", "width"),
+    [
+        (-128, 127, 1),
+        (-129, 0, 2),
+        (0, 128, 2),
+        (-32768, 32767, 2),
+        (0, 32768, 4),
+        (-(1 << 31), 0, 4),
+        (0, 1 << 31, 8),
+        (-(1 << 63), (1 << 63) - 1, 8),
+    ],
+)
+def test_int_columns_travel_in_the_narrowest_width_that_holds_them(low, high, width):
+    values = [low, high] * 50
+    assert len(encode(values)) < width * 100 + 64
+    assert same(decode(encode(values)), values)
+    as_dict = {f"k{i}": v for i, v in enumerate(values)}
+    assert same(decode(encode(as_dict)), as_dict)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [i % 7 - 3 for i in range(5000)],  # few distinct values: decoded through a table
+        [(1 << 62) + i % 3 for i in range(5000)],
+        [-(1 << 63), (1 << 63) - 1] * 600 + [0] * 4000,  # two extremes: no table
+        list(range(3000)),  # all distinct
+    ],
+    ids=["labels", "far-labels", "extremes", "distinct"],
+)
+def test_long_int_columns_come_back_as_exact_ints(values):
+    out = decode(encode(values))
+    assert out == values and {type(v) for v in out} == {int}
+
+
+def test_lists_of_records_round_trip_with_their_key_order():
+    records = [{"id": i, "pred": i % 10, "score": i / 3} for i in range(5000)]
+    records[7] = {"pred": 1, "id": 7, "score": 0.5}  # another key order in one record
+    records[9] = {"id": 9, "pred": True, "score": None}
+    out = decode(encode(records))
+    assert same(out, records)
+    assert [list(r) for r in out] == [list(r) for r in records]
+
+
+def test_a_msgpack_timestamp_from_a_peer_decodes_to_data_only():
+    # msgspec, which decodes the body, reads msgpack's timestamp extension as a datetime: a
+    # value, no code run; the encoder never writes one
+    body = msgpack.packb(msgpack.Timestamp(5, 0))
+    assert decode(framed(body, b"")) == datetime.datetime(1970, 1, 1, 0, 0, 5, tzinfo=datetime.UTC)
+
+
 def column_ext(dtype: str, length: object, offset: int) -> msgpack.ExtType:
     return msgpack.ExtType(6, msgpack.packb([dtype, length, offset]))
 
@@ -406,3 +460,15 @@ def test_corrupt_raw_bytes_raise_decode_error(meta):
     payload = framed(msgpack.packb(msgpack.ExtType(8, msgpack.packb(meta))), b"abcd")
     with pytest.raises(DecodeError):
         decode(payload)
+
+
+@pytest.mark.parametrize("was_on", [True, False])
+def test_decoding_leaves_the_cycle_collector_as_it_was(was_on):
+    (gc.enable if was_on else gc.disable)()
+    try:
+        assert decode(encode([{"id": i} for i in range(100)]))[99] == {"id": 99}
+        with pytest.raises(DecodeError):
+            decode(framed(b"\xc1", b""))  # 0xc1 is never valid msgpack
+        assert gc.isenabled() is was_on
+    finally:
+        gc.enable()

@@ -48,3 +48,5 @@ def test_gather_metrics(tmp_path, launcher):
     assert [(r[0], r[2], r[3]) for r in rows[:2]] == [("0", "cpu", "50"), ("1", "cpu", "50")]
     assert rows[2][:2] == ["all", "100"]
     assert sum(line.startswith("rank ") for line in lines) == 1  # printed by rank 0 only
+    # the per-sample results, gathered once each, give the table's accuracy
+    assert f"per sample: 100 samples, accuracy {rows[2][3]}" in lines

@@ -16,6 +16,7 @@ from .checkpoint import (
 )
 from .data import pad_batch, prefetch
 from .data.device_data import DeviceData
+from .distributed.metrics import gather_for_metrics
 from .distributed.objects import all_gather_object, broadcast_object, gather_object
 from .distributed.runtime import Runtime, get_runtime, init, shutdown
 from .errors import (
@@ -52,6 +53,7 @@ __all__ = [
     "all_gather_object",
     "broadcast_object",
     "explain",
+    "gather_for_metrics",
     "gather_object",
     "get_runtime",
     "init",

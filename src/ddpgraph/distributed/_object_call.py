@@ -60,6 +60,7 @@ _in_our_modules = in_modules(
         __name__,
         "ddpgraph.distributed.objects",
         "ddpgraph.distributed._object_exchange",
+        "ddpgraph.distributed.metrics",
         "ddpgraph.distributed.torch_patch",
     }
 )

@@ -20,14 +20,18 @@ rather than silently changed.
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import pickle
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
 import msgpack
+import msgspec
 import numpy as np
 import torch
 
@@ -53,11 +57,11 @@ _EXT_BYTES = 8  # a long bytes value, its bytes after the body
 _COLUMN_MIN = 32
 # the only dtypes a column names: decoded through this table, never through np.dtype(name)
 _COLUMN_DTYPES: dict[str, np.dtype] = {
-    "<f8": np.dtype("<f8"),
-    "<i4": np.dtype("<i4"),
-    "<i8": np.dtype("<i8"),
+    name: np.dtype(name) for name in ("<f8", "|i1", "<i2", "<i4", "<i8")
 }
-_INT32 = np.iinfo(np.int32)
+# an int column travels in the narrowest of these that holds its values (labels: one byte each)
+_LOOKUP_MIN = 1024  # int columns at least this long may decode through a table (_few_distinct)
+_INT_WIDTHS = [np.dtype(name) for name in ("|i1", "<i2", "<i4")]
 _COLUMN_DEPTH = 100  # nesting levels searched for columns
 # bytes values at least this long travel after the body too: msgpack would copy them into its
 # own growing buffer first (the walk that finds columns finds them)
@@ -209,24 +213,26 @@ class _Encoder:
         if the walk's budget is spent (then msgpack packs them one by one, as it would)."""
         if set(_WALKED).isdisjoint(map(type, items)) or len(items) > self.budget:
             return unchanged
+        if _flat_records(items):
+            return unchanged
         self.budget -= len(items)
         return [self.columns(x, depth + 1) for x in items]
 
     def column(self, items: Any) -> msgpack.ExtType | None:
         """The items as one array (a column extension), if they are all floats or all ints
         that fit in 64 bits; else None."""
-        kinds = set(map(type, items))
-        if kinds == {float}:
+        kind = type(next(iter(items)))
+        # the exact type of every item, at C speed (a set of the types costs twice this)
+        if kind not in (float, int) or list(map(type, items)).count(kind) != len(items):
+            return None
+        if kind is float:
             array = np.fromiter(items, dtype=np.float64, count=len(items))
-        elif kinds == {int}:
+        else:
             try:
                 array = np.fromiter(items, dtype=np.int64, count=len(items))
             except OverflowError:
                 return None
-            if _INT32.min <= array.min() and array.max() <= _INT32.max:
-                array = array.astype(np.int32)  # ids and labels: half the bytes
-        else:
-            return None
+            array = _narrowest(array)
         array = array.astype(array.dtype.newbyteorder("<"), copy=False)
         meta = self.pack([array.dtype.str, len(array), self.offset])
         raw = array.view(np.uint8).data
@@ -239,6 +245,24 @@ class _Encoder:
         self.buffers.append(raw)
         self.offset += raw.nbytes
         return msgpack.ExtType(code, meta)
+
+
+def _flat_records(items: Any) -> bool:
+    """Whether the items are all short dicts of values the walk leaves alone (records such as
+    ``{"id", "pred", "score"}``): found at C speed, ~5x cheaper than visiting each."""
+    if list(map(type, items)).count(dict) != len(items) or max(map(len, items)) >= _COLUMN_MIN:
+        return False
+    return set(_WALKED).isdisjoint(map(type, chain.from_iterable(map(dict.values, items))))
+
+
+def _narrowest(array: np.ndarray) -> np.ndarray:
+    """An int64 array in the narrowest int dtype that holds its values: fewer bytes to move."""
+    low, high = int(array.min()), int(array.max())
+    for dtype in _INT_WIDTHS:
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return array.astype(dtype)
+    return array
 
 
 def _unsupported(obj: Any, exc: Exception) -> UnsupportedTypeError:
@@ -340,23 +364,43 @@ def _decode_data(payload: memoryview) -> Any:
         body_end = _FRAME.size + body_len
         if body_end > len(payload):
             raise DecodeError(f"body of {body_len} bytes in a payload of {len(payload)}")
-        return _Decoder(payload[body_end:]).unpack(payload[_FRAME.size : body_end])
+        with _collector_paused():
+            return _Decoder(payload[body_end:]).unpack(payload[_FRAME.size : body_end])
     except DecodeError as exc:
         raise DecodeError(f"not a valid data-codec payload ({exc})") from None
     except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError…)
         raise DecodeError(f"not a valid data-codec payload ({type(exc).__name__}: {exc})") from None
 
 
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a payload is decoded: decoding only creates objects
+    (none becomes garbage), yet each few hundred new dicts start a collection, and msgspec's
+    dicts make those ~2x more costly than pickle's (measured: two decodes of 1e5 records 244 ms
+    with the collector on, 100 ms with it off; pickle 147 / 110). msgpack's docs advise the
+    same for large payloads. It is turned back on only if it was on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 class _Decoder:
     def __init__(self, buffers: memoryview) -> None:
         self.buffers = buffers  # the array bytes that follow the body
+        # msgspec's decoder reads the bodies msgpack's packer writes: it builds the same plain
+        # values (never a class a payload names) and reuses the str of short repeated dict keys,
+        # so a list of records decodes ~1.5x faster than with msgpack's unpacker (as fast as
+        # pickle's C loop); extension values still come through ext_hook.
+        self.decoder = msgspec.msgpack.Decoder(ext_hook=self.ext_hook)
 
     def unpack(self, body: memoryview | bytes) -> Any:
-        return msgpack.unpackb(
-            body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
-        )
+        return self.decoder.decode(body)
 
-    def ext_hook(self, code: int, data: bytes) -> Any:
+    def ext_hook(self, code: int, data: bytes | memoryview) -> Any:
         if code == _EXT_BIGINT:
             return int.from_bytes(data, "little", signed=True)
         if code == _EXT_TUPLE:
@@ -383,7 +427,7 @@ class _Decoder:
             return np.frombuffer(meta[1], dtype=dtype)[0]
         raise DecodeError(f"unknown extension type {code}")
 
-    def tensor(self, data: bytes) -> torch.Tensor:
+    def tensor(self, data: bytes | memoryview) -> torch.Tensor:
         dtype, shape, raw = self.array_meta(data, _torch_dtype)
         if not raw.nbytes:
             return torch.empty(shape, dtype=dtype)
@@ -391,14 +435,17 @@ class _Decoder:
         flat = torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
         return flat.view(dtype).reshape(shape)
 
-    def column(self, data: bytes) -> list[Any]:
+    def column(self, data: bytes | memoryview) -> list[Any]:
         dtype, _, raw = self.array_meta(data, _column_dtype, column=True)
         array = np.frombuffer(raw, dtype=dtype)
+        if dtype.kind != "i":
+            floats: list[Any] = array.tolist()
+            return floats
         # int64's tolist is about twice as fast as int32's: widen first (a copy of 8 bytes each)
-        values: list[Any] = (array.astype(np.int64) if dtype.kind == "i" else array).tolist()
-        return values
+        wide = array.astype(np.int64)
+        return _few_distinct(wide) or wide.tolist()
 
-    def dict_column(self, data: bytes) -> dict[Any, Any]:
+    def dict_column(self, data: bytes | memoryview) -> dict[Any, Any]:
         """[the keys, packed as a list][the values' column header]."""
         unpacker = msgpack.Unpacker(
             None, ext_hook=self.ext_hook, raw=False, strict_map_key=False, use_list=True
@@ -415,7 +462,7 @@ class _Decoder:
 
     def array_meta(
         self,
-        data: bytes,
+        data: bytes | memoryview,
         to_dtype: Callable[[str], Any],
         *,
         column: bool = False,
@@ -447,6 +494,20 @@ class _Decoder:
                 f"{len(self.buffers)}"
             )
         return dtype, shape, self.buffers[offset : offset + nbytes]
+
+
+def _few_distinct(values: np.ndarray) -> list[Any] | None:
+    """Ints over a range much shorter than the column (labels, classes) as a list that shares
+    one int object per value, taken from a table at C speed (~1.6x faster than making an int
+    per item, as tolist and pickle do); None for other columns."""
+    if len(values) < _LOOKUP_MIN:
+        return None
+    low, high = int(values.min()), int(values.max())
+    if high - low >= len(values) // 4:
+        return None
+    table = np.arange(low, high + 1, dtype=np.int64).astype(object)
+    shared: list[Any] = table[values - low].tolist()
+    return shared
 
 
 def _torch_dtype(name: str) -> torch.dtype:
