@@ -74,12 +74,12 @@ class Follower:
                 get_logger().info("TrainStep: %s", done)
             self.settle_due = True
 
-    def settle(self) -> None:
+    def settle(self, *, graphed: bool) -> None:
         """After a call that ran anything eagerly: the model as the step left it is the watch's
         new baseline (a replay changes no address, so replayed calls skip this)."""
         if self.settle_due:
             self.settle_due = False
-            self.watch.settle()
+            self.watch.settle(keep_grads=graphed)
 
     def _follow(self, found: ModelChanges, graphed: bool) -> None:
         if found.moved or found.replaced:

@@ -137,7 +137,7 @@ class CapturePolicy:
         loss = self._train(batch, self._modes())
         self.window.end(role)
         self._eval_syncs_buffers = role in ("train", "sync")
-        self.follower.settle()
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return loss
 
     def update(self) -> None:
@@ -160,7 +160,7 @@ class CapturePolicy:
             self.body.update()
         self.grad_norm = self.body.grad_norm
         self.follower.settle_due = True
-        self.follower.settle()
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
 
     def _update_graphed(self, key: GraphKey) -> bool:
         """Replay the update graph, capturing it first once the window's "sync" graph exists
@@ -490,7 +490,7 @@ class CapturePolicy:
         self.parallel.before_call()
         with self._eval_mode():
             output = self._watched("eval", lambda: self._evaluate(batch))
-        self.follower.settle()
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return output
 
     @contextlib.contextmanager

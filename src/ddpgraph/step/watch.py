@@ -89,8 +89,12 @@ class ModelWatch:
         self._roots = roots
         self.settle()
 
-    def settle(self) -> None:
-        """Take the model as it is now as the baseline (after the step's own work)."""
+    def settle(self, keep_grads: bool = False) -> None:
+        """Take the model as it is now as the baseline (after the step's own work).
+
+        ``keep_grads`` (while graphed): hold the gradient tensors, which the graphs write, so that
+        a script's ``zero_grad()`` (set to None) frees no memory a graph uses and the tensors
+        can be put back; eager steps hold none (they would keep a second set alive)."""
         roots = self._roots()
         self._params: list[_Slot] = []
         self._buffers: list[_Slot] = []
@@ -110,8 +114,8 @@ class ModelWatch:
         # plain tensors' data_ptr() is their address; a DTensor's is its local tensor's
         self._plain = not any(hasattr(t, "_local_tensor") for t in self._objects)
         self._param_at = self._param_addresses()
-        self._grads = [p.grad for p in self._objects]
-        self._grad_at = [_address_or_none(g) for g in self._grads]
+        self._grads = [p.grad if keep_grads else None for p in self._objects]
+        self._grad_at = [_address_or_none(p.grad) for p in self._objects]
         self._buffer_at = self._buffer_addresses()
         self._calls = self._current_calls(roots)
 
@@ -177,8 +181,9 @@ class ModelWatch:
         ):
             if now == then or then == -1:
                 continue  # unchanged, or created since (the step's own first backward)
-            if now == -1 and kept is not None:
-                found.dropped_grads.append((param, kept))
+            if now == -1:  # set to None by the script: put back while graphed (kept)
+                if kept is not None:
+                    found.dropped_grads.append((param, kept))
             else:
                 found.moved.append(f"gradient of {name!r}")
 
