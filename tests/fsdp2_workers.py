@@ -244,18 +244,29 @@ def load_params(directory: str) -> dict:
     }
 
 
-def capture_while_unsharding() -> None:
-    """An all-gather left pending by the script (``unshard(async_op=True)``) when the step is
-    due to capture: refused, naming it."""
+def capture_while_unsharding(steps: int = 6) -> dict:
+    """An all-gather left pending by the script (``unshard(async_op=True)``, not waited for)
+    before every step, the capture's included: TrainStep waits for it and reshards, so each
+    step starts from FSDP2's idle state; the plain FSDP2 loop doing the same waits for it in its
+    forward. Both models' whole parameters at the end."""
+    data = batches(steps)
     model = shard(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = TrainStep(model, opt, nn.CrossEntropyLoss(), warmup=3, engine=CpuGraphs())
-    x, y = batches(1)[0]
-    for _ in range(3):
+    for x, y in data:
+        model.unshard(async_op=True)  # type: ignore[operator]
         step(x, y)
-    handle = model.unshard(async_op=True)  # type: ignore[operator]
-    try:
-        step(x, y)  # the capture
-    finally:
-        if handle is not None:
-            handle.wait()
+    plain = shard(make_model())
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x, y in data:
+        plain.unshard(async_op=True)  # type: ignore[operator]
+        nn.CrossEntropyLoss()(plain(x), y).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    report = step.report()
+    return {
+        "ours": full_params(model),
+        "theirs": full_params(plain),
+        "mode": report.mode,
+        "replays": report.replays,
+    }

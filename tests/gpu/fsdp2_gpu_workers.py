@@ -232,3 +232,37 @@ def nccl_graphed_vs_eager(steps: int) -> dict[str, Any]:
     """On every rank (one GPU each): TrainStep graphed vs the eager FSDP2 loop, real all-gathers
     and reduce-scatters inside the graph."""
     return graphed_vs_eager(steps, "foreach", calls=2, clip=1.0)
+
+
+def script_habits_graphed_vs_eager(steps: int, calls: int) -> dict[str, Any]:
+    """Issue 31 item 5 on CUDA: the script's explicit prefetch (``model.unshard()`` before each
+    step, pytorch/examples' FSDP2 example) and its own ``set_requires_gradient_sync`` kept around
+    ``step()`` with ``accumulate_calls=calls``; TrainStep graphed vs the plain loop doing the same
+    (the same graph-safe optimizer, so equality is bitwise)."""
+    data = batches(steps * calls)
+    mine = sharded()
+    step = TrainStep(
+        mine,
+        adamw(mine, "foreach", graph_safe=False),
+        nn.CrossEntropyLoss(),
+        clip_grad_norm=1.0,
+        accumulate_calls=calls,
+        graph="always",
+    )
+    graphed = []
+    for i, (x, y) in enumerate(data):
+        mine.unshard()  # type: ignore[operator]
+        mine.set_requires_gradient_sync(i % calls == calls - 1)  # type: ignore[operator]
+        graphed.append(float(step(x, y)))
+    ref = sharded()
+    opt = adamw(ref, "foreach", graph_safe=True)
+    # the plain loop without the prefetch: an all-gather copies the same shards either way
+    eager = eager_loop(ref, opt, data, calls=calls, clip=1.0)
+    return {
+        "graphed": graphed,
+        "eager": eager,
+        "graphed_params": full_params(mine),
+        "eager_params": full_params(ref),
+        "phase": step.phase.value,
+        "replays": step.report().replays,
+    }

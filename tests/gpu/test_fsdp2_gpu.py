@@ -41,6 +41,16 @@ def test_graphed_fsdp2_step_is_bitwise_the_eager_fsdp2_loop(rt, kind, calls, cli
     _same(r["graphed_params"], r["eager_params"])
 
 
+@pytest.mark.parametrize("calls", [1, 2])
+def test_explicit_prefetch_and_the_scripts_own_sync_flag_replay_bitwise(rt, calls):
+    """Issue 31 item 5: unshard() before each step used to crash after 4 replays ("parameter 0
+    ... was replaced since capture"); the script's set_requires_gradient_sync is the window."""
+    r = w.script_habits_graphed_vs_eager(16, calls)
+    assert r["phase"] == "graphed" and r["replays"] >= 5 * calls
+    assert r["graphed"] == r["eager"]
+    _same(r["graphed_params"], r["eager_params"])
+
+
 def test_three_accumulate_calls_on_fsdp2_run_eagerly_with_the_reason(rt):
     # measured: one graph for every micro-batch of a window drifted from eager FSDP2 (the first
     # creates FSDP2's unsharded accumulator, the later ones add to it)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddpgraph import CaptureError, TrainStep
+from ddpgraph import CaptureError, ConfigError, TrainStep
 from ddpgraph.demo.models import build_model
 from ddpgraph.step.optim import make_graph_safe
 
@@ -166,15 +166,71 @@ def test_torchvision_resnet50_graphed_equals_eager(rt):
     assert_bitwise(graphed, eager)
 
 
-def test_replaced_parameters_and_optimizer_state_are_caught(rt):
-    batches = make_batches(mlp, 14)
-    run = train(mlp, adamw, batches, graph="always")
-    step = run["step"]
-    param = next(step.model.parameters())
-    with torch.no_grad():
-        param.data = param.data.clone()
-    with pytest.raises(CaptureError, match=r"parameter 0 .* was replaced since capture"):
-        step(*batches[0])
+def test_moved_parameter_storage_is_followed_and_a_new_parameter_object_refused(rt):
+    """Issue 31 item 7: ``p.data = ...`` after capture (what ``model.to()`` does where it moves
+    memory) drops the graphs and captures again over the new memory; equal to the eager run
+    doing the same. A new nn.Parameter object is refused, naming it."""
+
+    def run(graph):
+        torch.manual_seed(0)
+        model = mlp().cuda()
+        opt = adamw(model.parameters())
+        make_graph_safe(opt, torch.device("cuda"))
+        step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i, batch in enumerate(make_batches(mlp, 30)):
+                if i == 15:
+                    for p in model.parameters():
+                        p.data = p.data.clone()
+                step(*batch)
+        torch.cuda.synchronize()
+        return model, step, [str(w.message) for w in caught]
+
+    model, step, messages = run("auto")
+    eager, _, _ = run("never")
+    assert step.report().recaptures and any("moved to new memory" in m for m in messages)
+    assert step.report().replays > 30 - 15 - 13, str(step.report())
+    for a, b in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
+    model[0].weight = nn.Parameter(model[0].weight.detach().clone())
+    with pytest.raises(ConfigError, match=r"parameter '0.weight'.*new nn.Parameter"):
+        step(*make_batches(mlp, 1)[0])
+
+
+def _wrap_in_autocast(model: nn.Module) -> None:
+    original = model.forward
+
+    def forward(x):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return original(x).float()
+
+    model.forward = forward
+
+
+def test_a_forward_wrapped_after_capture_is_captured_again(rt):
+    """accelerate's prepare_model under bf16 replaces ``model.forward`` with an autocast
+    wrapper: on CUDA the storage does not move but the graph baked the old forward."""
+
+    def run(graph):
+        torch.manual_seed(0)
+        model = mlp().cuda()
+        opt = adamw(model.parameters())
+        make_graph_safe(opt, torch.device("cuda"))
+        step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph)
+        for i, batch in enumerate(make_batches(mlp, 30)):
+            if i == 15:
+                _wrap_in_autocast(model)
+            step(*batch)
+        torch.cuda.synchronize()
+        return model, step
+
+    model, step = run("auto")
+    eager, _ = run("never")
+    assert any("forward replaced" in r for r in step.report().recaptures), str(step.report())
+    assert len(step.report().captures) == 2
+    for a, b in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_optimizer_load_state_dict_after_capture_is_copied_into_the_graph(rt):

@@ -12,12 +12,13 @@ seen by the replayed kernels without a re-capture.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..errors import CaptureError
+from .optim_diff import describe_changes, step_options
 
 __all__ = [
     "GraphSafeOptimizer",
@@ -42,6 +43,8 @@ class GraphSafeOptimizer:
     optimizer: torch.optim.Optimizer
     changes: list[str]
     lr_tensors: list[torch.Tensor]
+    # each change with the measured size of the difference (report().optimizer_changes)
+    described: list[str] = field(default_factory=list)
 
     def sync_lr(self) -> None:
         """Pick up an LR a scheduler or the user assigned as a float: copy it into the tensor.
@@ -109,18 +112,22 @@ def plan_graph_safety(
     """Make ``optimizer`` graph-safe for a step on ``device``; or, changing nothing, why not.
 
     fp16 inside a graph also needs a fused kernel that skips an overflowed step on the device
-    (Adam/AdamW/SGD are switched to it).
+    (Adam/AdamW/SGD are switched to it). Each change is measured against the script's settings
+    (:func:`~.optim_diff.describe_changes`): ``plan.described``, the report's
+    ``optimizer_changes``.
     """
     problem = graph_safety_problem(optimizer)
     if problem is None and fp16:
         problem = _fused_problem_for_fp16(optimizer)
     if problem is not None:
         return problem
+    before = step_options(optimizer)
     plan = make_graph_safe(optimizer, device)
     if fp16 and not skips_on_device(optimizer):
         for group in optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
         plan.changes.append("fused=True (fp16 skips overflowed steps on the device)")
+    plan.described = describe_changes(optimizer, before, plan.changes, device)
     return plan
 
 

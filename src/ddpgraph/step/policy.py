@@ -11,7 +11,11 @@ A capture that fails falls back to ``EAGER`` on every rank (the reason in
 Before each replay the graphs' guard finds what a script changed: ``optimizer.load_state_dict``
 (copied into the tensors the graph reads), a param-group value or ``requires_grad`` (the
 training graphs are captured again, with a warning; a freeze or unfreeze also rebuilds the
-data-parallel wrapper over the new trainable set); a replaced parameter raises ``CaptureError``.
+data-parallel wrapper over the new trainable set). Before every call, eager or graphed,
+:class:`~ddpgraph.step.follow.Follower` follows what a script or framework changed in the model
+since the last one (storage moved by ``model.to()``, a replaced ``forward``): the wrapper is
+rebuilt and every graph captured again, with a warning; a new ``nn.Parameter`` object the
+optimizer does not hold raises ``ConfigError``.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from .batch import (
     Signature,
     describe,
     differences,
-    gathered_batch,
 )
 from .body import StepBody
+from .compiling import first_forward_failure
+from .follow import Follower
 from .graphs import (
     CapturedGraph,
     CaptureFailure,
@@ -100,6 +105,8 @@ class CapturePolicy:
         self._eval_calls: Counter[GraphKey] = Counter()
         self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
         self._eval_syncs_buffers = False  # a step since the last evaluation: broadcast first
+        # what a script or framework changes in the model between calls
+        self.follower = Follower(lambda: self.body.parallel, graphs, report, device, stream)
 
     @property
     def parallel(self) -> DataParallel:
@@ -111,12 +118,14 @@ class CapturePolicy:
         ``last`` ends an ``accumulate_calls`` window at this call (sync and update on what it
         holds)."""
         self.call_steps = steps
+        self.parallel.before_call()  # FSDP2: undo the script's unshard() before its state is read
         loss: torch.Tensor = self._watched(
             self.watch_phase(), lambda: self._train_call(batch, last)
         )
         return loss
 
     def _train_call(self, batch: Batch, last: bool) -> torch.Tensor:
+        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
         starts = self.window.begin(batch, last, self.parallel.script_sync())
         self._follow_trainable()
         if starts:
@@ -128,15 +137,18 @@ class CapturePolicy:
         loss = self._train(batch, self._modes())
         self.window.end(role)
         self._eval_syncs_buffers = role in ("train", "sync")
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return loss
 
     def update(self) -> None:
         """``step.update()`` (``defer_update=True``), watched: the optimizer step on the window
         the calls since the last update synced, with the param-group values (the LR) the script
         set since; graphed once the window's training graphs are."""
+        self.parallel.before_call()
         self._watched(self.watch_phase(), self._update)
 
     def _update(self) -> None:
+        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
         self.window.take_update()
         self._eval_syncs_buffers = True
         key = GraphKey("update", self._modes(), NO_BATCH.signature)
@@ -147,6 +159,8 @@ class CapturePolicy:
                 self.graphs.plan.sync_lr()  # the LR the script just set
             self.body.update()
         self.grad_norm = self.body.grad_norm
+        self.follower.settle_due = True
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
 
     def _update_graphed(self, key: GraphKey) -> bool:
         """Replay the update graph, capturing it first once the window's "sync" graph exists
@@ -187,6 +201,7 @@ class CapturePolicy:
         if self.graphs is not None:
             self.graphs.drop_training()
             self.graphs.parameters_changed()
+        self.follower.settle_due = True
         get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def check_open(self, what: str) -> None:
@@ -333,6 +348,7 @@ class CapturePolicy:
 
     def _capture(self, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
         """Capture the step for this key on the device copy of ``batch``."""
+        self.follower.settle_due = True
         device_batch = self.to_device(batch)
         result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
         if key.role in ("train", "sync"):
@@ -408,6 +424,7 @@ class CapturePolicy:
             get_logger().info("TrainStep: %s", "; ".join(news))
 
     def _eager(self, batch: Batch) -> torch.Tensor:
+        self.follower.settle_due = True
         n = self.call_steps
         self.report.eager_steps += n
         warming_up = self.phase is Phase.WARMUP
@@ -456,7 +473,7 @@ class CapturePolicy:
         failed.
         """
         self._compile_pending = False
-        failure = self._try_compile(batch)
+        failure = first_forward_failure(self.body, batch, self.device)
         ok, _ = self.parallel.agree(failure is None, False)
         if not ok:
             reason = failure or "it failed on another rank (that rank's warning says why)"
@@ -466,38 +483,15 @@ class CapturePolicy:
                 self.graphs.parameters_changed()
         return self.body.run(batch, role)
 
-    def _try_compile(self, batch: Batch) -> str | None:
-        """Run the compiled module's first forward (it compiles); why it failed, or None."""
-        from torch._dynamo.exc import TorchDynamoException
-
-        from ..errors import first_line
-
-        if batch.source is not None:  # step(data): the batch it would gather first
-            batch = gathered_batch(batch.source, batch.source.peek())
-        first = batch.split(self.options.accumulate)[0]
-        module = self.parallel.inner
-        plain = getattr(module, "_orig_mod", module)
-        saved = [b.detach().clone() for b in plain.buffers()]
-        devices = [self.device] if self.device.type == "cuda" else []
-        try:
-            with torch.random.fork_rng(devices=devices), self.body.precision.autocast():
-                self.body.forward(module, first)
-        except TorchDynamoException as exc:
-            root = exc.__cause__ or getattr(exc, "inner_exception", None)  # a backend's own error
-            cause = f" ({first_line(root, with_type=True)})" if root is not None else ""
-            return first_line(exc, with_type=True) + cause
-        finally:
-            with torch.no_grad():
-                for buffer, value in zip(plain.buffers(), saved):
-                    buffer.copy_(value)
-        return None
-
     # ----------------------------------------------------------------- evaluation
     def evaluate(self, batch: Batch) -> Any:
         """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature,
         watched; every module's own mode restored after it."""
+        self.parallel.before_call()
         with self._eval_mode():
-            return self._watched("eval", lambda: self._evaluate(batch))
+            output = self._watched("eval", lambda: self._evaluate(batch))
+        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+        return output
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
@@ -512,6 +506,7 @@ class CapturePolicy:
 
     def _evaluate(self, batch: Batch) -> Any:
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
+        self.follower.before_call(training=False, graphed=self.phase is Phase.GRAPHED)
         self.window.warn_if_open("evaluate()")
         if self._eval_syncs_buffers:
             # DDP's eval forward after a training step starts with rank 0's buffers (later ones
@@ -527,6 +522,7 @@ class CapturePolicy:
             if replayed.replayed:
                 self.report.eval_replays += 1
                 return replayed.output
+        self.follower.settle_due = True
         with on_stream(self._stream):
             return self.body.forward_eval(self.to_device(batch))
 

@@ -40,6 +40,7 @@ class StepReport:
     eval_replays: int = 0
     captures: list[CaptureRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
+    # each change made to the script's optimizer (graph safety) with its measured difference
     optimizer_changes: list[str] = field(default_factory=list)
     recaptures: list[str] = field(default_factory=list)  # why training graphs were re-captured
     steps_per_replay: int = 1  # training steps in one replay (step(data) with steps_per_replay)
@@ -62,8 +63,7 @@ class StepReport:
             f"{c.seconds * 1e3:.0f} ms"
             for c in self.captures
         ]
-        if self.optimizer_changes:
-            lines.append("optimizer made graph-safe: " + ", ".join(self.optimizer_changes))
+        lines += [f"optimizer changed: {change}" for change in self.optimizer_changes]
         lines += [f"re-captured: {reason}" for reason in self.recaptures]
         lines += [f"fallback: {reason}" for reason in self.fallbacks]
         return "\n".join(lines)

@@ -138,6 +138,8 @@ class TrainStep(FromFrameworks):
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
         self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
         self._body.feed = self._feed
+        if isinstance(graphs, Graphs):
+            self._report.optimizer_changes = list(graphs.plan.described)
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):

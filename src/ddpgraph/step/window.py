@@ -123,16 +123,17 @@ class Window:
         if self.calls == 1:
             raise ConfigError(
                 "the script turned the gradient sync off for this call (require_backward_grad_sync"
-                " = False, or no_sync()), but TrainStep(accumulate_calls=1) syncs and steps the "
-                "optimizer on every call, so its accumulation would be ignored; pass "
-                "accumulate_calls=k (k micro-batches per optimizer step, one per call): the "
-                "k-th call, or one whose flag is True, syncs and steps."
+                " = False, no_sync(), or FSDP2's set_requires_gradient_sync(False)), but "
+                "TrainStep(accumulate_calls=1) syncs and steps the optimizer on every call, so "
+                "its accumulation would be ignored; pass accumulate_calls=k (k micro-batches per "
+                "optimizer step, one per call): the k-th call, or the first one with the sync "
+                "on again, syncs and steps."
             )
         if last or self.micro_batches == self.calls - 1:
             position = "step(..., last=True)" if last else f"call {self.calls} of {self.calls}"
             raise ConfigError(
-                f"the script turned the gradient sync off (require_backward_grad_sync = False, or "
-                f"no_sync()) on the window's last micro-batch ({position}, accumulate_calls="
+                f"the script turned the gradient sync off (require_backward_grad_sync = False, "
+                f"no_sync() or set_requires_gradient_sync(False)) on the window's last micro-batch ({position}, accumulate_calls="
                 f"{self.calls}): TrainStep syncs and steps there; set the flag True on the last "
                 "micro-batch, as DDP scripts do, or change accumulate_calls to the script's "
                 "micro-batches per step."

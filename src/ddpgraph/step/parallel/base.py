@@ -58,6 +58,18 @@ class DataParallel:
         The caller drops the training graphs (they read the old wrapper)."""
         return False
 
+    def before_call(self) -> None:
+        """At the start of every call, before anything runs or is checked: put back in place
+        what the script's own use of the wrapper between calls left (FSDP2: parameters it
+        unsharded). Cheap: no walk over the model."""
+
+    def follow_storage(self) -> str | None:
+        """The module's parameters, gradients or buffers moved to new memory since the last
+        training call (``model.to()``, ``p.data = ...``): follow them, and say what was done
+        (None: nothing was needed). Raises where the wrapper cannot follow. A collective where
+        there are peers: every rank moves its model at the same step (frameworks do)."""
+        return None
+
     def script_sync(self) -> bool | None:
         """What the script asked of this call's gradient sync on the module it holds:
         ``model.require_backward_grad_sync = ...`` (the bare module, or the wrapper) or a

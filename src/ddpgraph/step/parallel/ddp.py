@@ -104,11 +104,22 @@ class DDP(DataParallel):
         the same on every rank already). DDP's warm-up rule starts again with the new one."""
         if _trainable_ids(self.inner) == self._trainable:
             return False
+        self._rebuild()
+        return True
+
+    def follow_storage(self) -> str | None:
+        """DDP's reducer keeps the gradients as views of its buckets
+        (``gradient_as_bucket_view``) and its bucket views of the parameters it was built over;
+        after a move it would reduce into the old memory (an eager run's gradients then double
+        every step), so it is built again over the module as it is now."""
+        self._rebuild()
+        return "its DistributedDataParallel was built again over the new memory"
+
+    def _rebuild(self) -> None:
         old = self.ddp
         ddp_remove_autograd_hooks(old)  # the old reducer must not see the next backward
         self._build()
         del old
-        return True
 
     def script_sync(self) -> bool | None:
         """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it)."""

@@ -85,6 +85,14 @@ class FSDP2(DataParallel):
         self.group = _group_of(module)
         # a no-grad (evaluation) forward leaves the root's parameters gathered: reshard them
         self._hook = module.register_forward_hook(_reshard_after_no_grad_forward)
+        # each sharded module with its parameter groups, walked once: read on every call
+        self._sharded = [
+            (sub, _param_groups(sub._get_fsdp_state()))  # type: ignore[operator]
+            for sub in module.modules()
+            if is_fsdp2(sub)
+        ]
+        self._flags = [g for _, groups in self._sharded for g in groups]  # reduce_grads
+        self._script_off = False  # the script's set_requires_gradient_sync(False) was read
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """``parallel="fsdp2"`` sharded the model after the script built its optimizer over the
@@ -102,6 +110,49 @@ class FSDP2(DataParallel):
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
 
+    # ----------------------------------------------------------------- between calls
+    def before_call(self) -> None:
+        """Every call starts from FSDP2's idle, sharded state: a graph captured its all-gathers
+        from there, and a module left unsharded registers its unsharded parameters in place of
+        the shards. A script's explicit prefetch (``model.unshard()`` before each step, as
+        pytorch/examples' FSDP2 example does) is therefore undone here: a pending all-gather is
+        waited for, then the module resharded; the step all-gathers again itself, so the
+        prefetch saves nothing under TrainStep and changes no number. One pass over the
+        sharded modules' parameter groups."""
+        for module, groups in self._sharded:
+            pending = [g for g in groups if g._all_gather_result is not None]
+            if not pending and not any(g.is_unsharded for g in groups):
+                continue
+            with on_stream(self._stream):
+                for group in pending:
+                    group.wait_for_unshard()
+                module.reshard()  # type: ignore[operator]
+
+    def follow_storage(self) -> str | None:
+        """FSDP2 keeps its own views of each shard (``FSDPParam``): a move behind its back
+        (``p.data = ...``, ``model.to()``) would all-gather stale memory."""
+        raise ConfigError(
+            "a parameter, gradient or buffer of the FSDP2 model moved to new memory between "
+            "TrainStep calls (model.to() or p.data = ... after fully_shard); FSDP2 keeps its own "
+            "views of the shards and cannot follow that: move the model before fully_shard "
+            "(accelerate's prepare_model skips .to() for DTensor models), or change values in "
+            "place (param.data.copy_(new))."
+        )
+
+    def script_sync(self) -> bool | None:
+        """The script's own ``model.set_requires_gradient_sync(False)`` kept around ``step()``
+        (a plain FSDP2 loop's accumulation), read from FSDP2's parameter groups: False while it
+        is off (a micro-batch of the window), True on the call where the script turned it on
+        again (the window's end, as DDP's ``require_backward_grad_sync``), else None. One read
+        per parameter group."""
+        if not all(group.reduce_grads for group in self._flags):
+            self._script_off = True
+            return False
+        if self._script_off:
+            self._script_off = False
+            return True
+        return None
+
     # ----------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
     def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
@@ -109,12 +160,14 @@ class FSDP2(DataParallel):
             yield
             return
         # FSDP2 reads the flag in backward (no reduce-scatter: the unsharded gradients
-        # accumulate until the last micro-batch's backward reduces them all)
+        # accumulate until the last micro-batch's backward reduces them all); the script's own
+        # value is put back after (its flag is read at each call: script_sync)
+        before = all(group.reduce_grads for group in self._flags)
         self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(True)  # type: ignore[operator]
+            self.module.set_requires_gradient_sync(before)  # type: ignore[operator]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the DTensor gradients as ``torch.nn.utils.clip_grad_norm_`` does in a plain FSDP2
