@@ -70,4 +70,6 @@ def run_rows(
     for name in names:
         for variant in VARIANTS:
             results[f"{name}/{variant}"] = outcome(run_row, variant, rows[name], name)
+            if os.environ.get("DDPGRAPH_MATRIX_PROGRESS") and rank() == 0:
+                print(f"matrix row {name}/{variant} done", flush=True)
     return results

@@ -106,7 +106,7 @@ def _accelerated_step(accelerate, k=1, **options):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
     scheduler = accelerator.prepare(scheduler)  # before the step, as the guide's port does
     step = TrainStep(model, optimizer, torch.nn.MSELoss(), graph="never", **options)
-    attach(accelerator, step)
+    attach(accelerator, step, model)
     return accelerator, step, scheduler
 
 

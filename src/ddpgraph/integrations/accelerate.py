@@ -10,8 +10,8 @@ followed, as a prepared model and optimizer would:
   optimizer where Accelerate's ``sync_gradients`` is True: every ``gradient_accumulation_steps``
   calls, and at the end of the data (``sync_with_dataloader``: the epoch's leftover micro-batches
   step, as Accelerate's do). A prepared scheduler steps on those calls only, as before.
-* ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model (its DDP, as
-  Accelerate's own) and optimizer in Accelerate's own files, loaded in place so the graphs stay
+* ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model and optimizer
+  in Accelerate's own files and keys, loaded in place so the graphs stay
   valid; with fp16 the loss scale too (one more registered object).
 * fp16: a prepared scheduler is held back after an update skipped for inf/NaN gradients
   (``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``).
@@ -101,16 +101,17 @@ def _check_not_prepared(accelerator: Any, model: object, optimizer: object) -> N
         )
 
 
-def attach(accelerator: Any, step: Any) -> None:
-    """Make ``accelerator`` treat the TrainStep's model and optimizer as prepared ones where its
-    loop state and checkpoints need them: each call follows ``sync_gradients``;
-    ``save_state`` / ``load_state`` take the DDP model (keys as Accelerate's own DDP saves them)
-    and the optimizer, in Accelerate's own files; fp16 registers the loss scale as well."""
+def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
+    """Make ``accelerator`` treat the TrainStep's model (``model``, as built) and optimizer as
+    prepared ones where its loop state and checkpoints need them: each call follows
+    ``sync_gradients``; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's
+    own run saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale
+    as well."""
     state = accelerator.gradient_state
     step.loop_syncs = lambda: bool(state.sync_gradients)
     # Accelerate keeps what went through prepare() in these lists; a scheduler prepared before
     # holds the same list of optimizers and so checks this one's step_was_skipped
-    accelerator._models.append(step.model)
+    accelerator._models.append(model)  # DDP's parameters are its parameters
     accelerator._optimizers.append(StepOptimizer(step))
     if step.loss_scale is not None:
         accelerator.register_for_checkpointing(_ExtraState(step))

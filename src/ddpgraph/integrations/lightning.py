@@ -138,9 +138,11 @@ class GraphStrategy(DDPStrategy):
         _check_no_gradient_hooks(module, trainer)
         k = trainer.accumulate_grad_batches
         clip = trainer.gradient_clip_val
-        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = trainer.gradient_clip_algorithm
+        algorithm = getattr(algorithm, "value", algorithm)  # Lightning keeps an enum
+        if clip and algorithm not in (None, "norm"):
             raise ConfigError(
-                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the graphed step "
+                f"gradient_clip_algorithm={algorithm!r}: the graphed step "
                 "clips by the total norm; use gradient_clip_algorithm='norm'."
             )
         view = self.optimizers[0]

@@ -42,7 +42,7 @@ class FromFrameworks:
         step = cls(
             model, optimizer, loss_fn, **accelerator_options(accelerator, model, optimizer, options)
         )
-        attach(accelerator, step)
+        attach(accelerator, step, model)
         return step
 
     @classmethod
