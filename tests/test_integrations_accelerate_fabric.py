@@ -95,3 +95,74 @@ def test_accelerate_mixed_precision_maps_to_amp():
     assert [amp_of(p) for p in ("no", "bf16", "fp16")] == [None, "bf16", "fp16"]
     with pytest.raises(ConfigError, match="fp8"):
         amp_of("fp8")
+
+
+def _accelerated_step(accelerate, k=1, **options):
+    from ddpgraph.integrations.accelerate import attach
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=k)
+    torch.manual_seed(0)
+    model, optimizer = _model_and_optimizer()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+    scheduler = accelerator.prepare(scheduler)  # before the step, as the guide's port does
+    step = TrainStep(model, optimizer, torch.nn.MSELoss(), graph="never", **options)
+    attach(accelerator, step, model)
+    return accelerator, step, scheduler
+
+
+def test_fp16_overflow_holds_back_a_prepared_scheduler_and_save_state_keeps_the_loss_scale(
+    tmp_path,
+):
+    """The mechanism from_accelerator attaches (on the CPU, with the step's own fp16): a
+    skipped update holds the prepared scheduler back, as Accelerate's AcceleratedScheduler does
+    for its own optimizers; save_state / load_state carry model, optimizer and loss scale."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator, step, scheduler = _accelerated_step(accelerate, amp="fp16")
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    step(x, y)
+    scheduler.step()
+    assert not step.update_skipped and scheduler.get_last_lr() == [0.5e-3]
+    step(x, torch.full((8, 2), float("inf")))  # inf/NaN gradients: the update is skipped
+    scheduler.step()
+    assert step.update_skipped and accelerator.optimizer_step_was_skipped
+    assert scheduler.get_last_lr() == [0.5e-3]  # held back
+    accelerator.save_state(str(tmp_path))
+    saved = {p.name for p in tmp_path.iterdir()}
+    assert {"model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"} <= saved, saved
+    params = [p.detach().clone() for p in step.model.parameters()]
+    scale = float(step.loss_scale)
+    step(x, y)  # moves everything on
+    accelerator.load_state(str(tmp_path))
+    for before, now in zip(params, step.model.parameters(), strict=True):
+        assert torch.equal(before, now)
+    assert float(step.loss_scale) == scale
+
+
+def test_two_step_calls_in_one_accumulate_block_are_refused_where_they_overfill_the_window():
+    accelerate = pytest.importorskip("accelerate")
+    accelerator, step, _ = _accelerated_step(accelerate, k=2, accumulate_calls=2)
+    model = step.model
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with accelerator.accumulate(model):
+        step(x, y)  # Accelerate: sync_gradients False, the step's first micro-batch
+        with pytest.raises(ConfigError, match=r"sync_gradients=False.*call 2 of"):
+            step(x, y)
+
+
+def test_non_ddp_set_ups_are_refused_naming_what_was_seen():
+    """Accelerate's FSDP / DeepSpeed and Fabric's FSDP strategies (each guide's list)."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("lightning")
+    for kind in ("FSDP", "DEEPSPEED"):
+        accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name=kind), _models=[])
+        model, optimizer = _model_and_optimizer()
+        with pytest.raises(ConfigError, match=rf"set up for {kind}; use accelerate's DDP"):
+            TrainStep.from_accelerator(accelerator, model, optimizer)
+    FSDPStrategy = type("FSDPStrategy", (), {})
+    fabric = SimpleNamespace(strategy=FSDPStrategy())
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(
+        ConfigError, match=r"strategy is FSDPStrategy; use Fabric\(strategy='ddp'\)"
+    ):
+        TrainStep.from_fabric(fabric, model, optimizer)

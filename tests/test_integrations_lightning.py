@@ -65,3 +65,14 @@ def test_manual_optimization_is_refused_naming_the_fix():
     errors = run_distributed(workers.run_lightning_manual, 1, timeout=RUN_S, return_exceptions=True)
     assert isinstance(errors[0], ConfigError), errors
     assert "automatic_optimization=False call a ddpgraph.TrainStep" in str(errors[0])
+
+
+def test_what_the_guide_lists_as_not_working_raises_naming_it():
+    from . import lightning_matrix_workers as matrix
+
+    said = run_distributed(matrix.refusals, 1, timeout=RUN_S)[0]
+    assert "one optimizer" in said["two_optimizers"] or "manual" in said["two_optimizers"], said
+    assert "overrides on_before_optimizer_step" in said["module_gradient_hook"], said
+    assert "HookCallback overrides on_after_backward" in said["callback_gradient_hook"], said
+    assert "training_step returned None" in said["training_step_none"], said
+    assert "Keep accumulate_grad_batches fixed" in said["accumulation_scheduler"], said

@@ -25,7 +25,10 @@ def fabric_options(
 ) -> dict[str, Any]:
     """``TrainStep.from_fabric``'s work: the TrainStep options ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
     ``"32-true"``) as ``amp``, the model moved to ``fabric.device``; accumulate with
-    ``accumulate_calls=k`` (it replaces ``fabric.no_backward_sync``).
+    ``accumulate_calls=k`` (it replaces ``fabric.no_backward_sync``), and pass ``last=True`` with
+    an epoch's last batch where the loop steps on the epoch's leftover micro-batches (Fabric
+    leaves the loop to the script: the step cannot see where an epoch ends). ``fabric.save`` /
+    ``fabric.load`` of the model and optimizer as built work as in any Fabric loop.
 
     Pass the model and optimizer as built, not through ``fabric.setup`` (set up the data
     loaders only). Call on every rank, after ``fabric.launch()``.

@@ -14,6 +14,10 @@ clipping and the optimizer update as one TrainStep call:
 * ``self.log`` inside ``training_step`` is recorded while the step runs and logged after it,
   with the tensors the step computed (for a replay, the values the replay wrote): the logging
   itself never runs inside a graph.
+* An accumulation window ends where Lightning's loop says (``_should_accumulate``): every
+  ``accumulate_grad_batches`` batches and at the epoch's last batch, whose short window steps as
+  Lightning's does. Hooks Lightning calls on the gradients between backward and the step
+  (``on_after_backward``, ``on_before_optimizer_step``, ...) would never run: refused.
 """
 
 from __future__ import annotations
@@ -59,7 +63,6 @@ class GraphStrategy(DDPStrategy):
         self.step_options = dict(step_options or {})
         self.train_step: TrainStep | None = None
         self._loss: _LightningLoss | None = None
-        self._calls = 0
         self._logs: dict[Any, list[tuple[tuple[Any, ...], dict[str, Any]]]] = {}
 
     # ----------------------------------------------------------------- set-up
@@ -95,12 +98,14 @@ class GraphStrategy(DDPStrategy):
         module = self._module()
         recorded: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         module.log = lambda *a, **kw: recorded.append((a, kw))  # type: ignore[method-assign]
+        # Lightning's own loop state says where the window ends: every accumulate_grad_batches
+        # batches and at the epoch's last batch (a short window steps, as Lightning's does)
+        last = not module.trainer.fit_loop._should_accumulate()
         try:
-            loss = step(*tensors)
+            loss = step(*tensors, last=last)
         finally:
             del module.log  # the class's own again
-        key = (self._role(), tuple((t.shape, t.dtype) for t in tensors), str(spec))
-        self._calls += 1
+        key = ("train" if last else "micro", tuple((t.shape, t.dtype) for t in tensors), str(spec))
         if recorded or key not in self._logs:  # the body ran (eager, capture): fresh tensors
             self._logs[key] = recorded
         for log_args, log_kwargs in self._logs[key]:
@@ -124,28 +129,20 @@ class GraphStrategy(DDPStrategy):
         assert module is not None, "GraphStrategy used before the Trainer connected a module"
         return module
 
-    def _role(self) -> str:
-        k = self._module().trainer.accumulate_grad_batches
-        return "train" if self._calls % k == k - 1 else "micro"
-
     def _step(self) -> TrainStep:
         if self.train_step is not None:
+            _check_same_window(self.train_step, self._module().trainer)
             return self.train_step
         module = self._module()
         trainer = module.trainer
+        _check_no_gradient_hooks(module, trainer)
         k = trainer.accumulate_grad_batches
-        batches = trainer.num_training_batches
-        if isinstance(batches, int) and batches % k and trainer.max_steps * k > batches:
-            raise ConfigError(
-                f"{batches} batches per epoch with accumulate_grad_batches={k}: Lightning steps "
-                f"on a short last window of {batches % k}, a graphed step takes {k} micro-batches "
-                f"per update; make the batches per epoch a multiple of {k} (limit_train_batches, "
-                "the data set size, drop_last=True) or stop inside the first epoch (max_steps)."
-            )
         clip = trainer.gradient_clip_val
-        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = trainer.gradient_clip_algorithm
+        algorithm = getattr(algorithm, "value", algorithm)  # Lightning keeps an enum
+        if clip and algorithm not in (None, "norm"):
             raise ConfigError(
-                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r}: the graphed step "
+                f"gradient_clip_algorithm={algorithm!r}: the graphed step "
                 "clips by the total norm; use gradient_clip_algorithm='norm'."
             )
         view = self.optimizers[0]
@@ -161,6 +158,38 @@ class GraphStrategy(DDPStrategy):
             **self.step_options,
         )
         return self.train_step
+
+
+# hooks Lightning calls between backward and the optimizer step, on gradients that exist only
+# inside the graph: a module or callback that overrides one is refused, never skipped silently
+_GRADIENT_HOOKS = (
+    "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+    "configure_gradient_clipping",
+)  # fmt: skip
+
+
+def _check_no_gradient_hooks(module: pl.LightningModule, trainer: pl.Trainer) -> None:
+    owners: list[tuple[str, object, type]] = [("the LightningModule", module, pl.LightningModule)]
+    owners += [(type(c).__name__, c, pl.Callback) for c in trainer.callbacks]  # type: ignore[attr-defined]
+    for owner, obj, base in owners:
+        for hook in _GRADIENT_HOOKS:
+            if hasattr(base, hook) and getattr(type(obj), hook) is not getattr(base, hook):
+                raise ConfigError(
+                    f"{owner} overrides {hook}, which Lightning calls between backward and the "
+                    "optimizer step; under GraphStrategy backward, clipping and the step run "
+                    "inside one graph, so it would never run. Remove the override (clip with "
+                    "Trainer(gradient_clip_val=...)) or train this module with strategy='ddp'."
+                )
+
+
+def _check_same_window(step: TrainStep, trainer: pl.Trainer) -> None:
+    k = step.options.accumulate_calls
+    if trainer.accumulate_grad_batches != k:
+        raise ConfigError(
+            f"accumulate_grad_batches changed to {trainer.accumulate_grad_batches} during "
+            f"training (a GradientAccumulationScheduler?); GraphStrategy's step was built for "
+            f"{k}, and its loss divisor and graphs with it. Keep accumulate_grad_batches fixed."
+        )
 
 
 class _LightningLoss(nn.Module):

@@ -1,4 +1,5 @@
-"""TrainStep built as a framework's own objects say (Accelerate, Fabric): the constructors.
+"""TrainStep built as a framework's own objects say (Accelerate, Fabric): the constructors, and
+the framework's loop state a call follows (where an accumulation window ends).
 
 The work is in :mod:`ddpgraph.integrations`, imported only when one of these is called, so the
 core import stays light and no framework is needed to use TrainStep.
@@ -6,12 +7,15 @@ core import stays light and no framework is needed to use TrainStep.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .body import LossFn
+from .window import Window
 
 __all__ = ["FromFrameworks"]
 
@@ -19,18 +23,27 @@ __all__ = ["FromFrameworks"]
 class FromFrameworks:
     """``TrainStep.from_accelerator(...)`` and ``TrainStep.from_fabric(...)``."""
 
+    # where the framework's own loop says an accumulation window ends (Accelerate's
+    # sync_gradients); None: the window counts its calls (and last=True) alone
+    loop_syncs: Callable[[], bool] | None = None
+
     @classmethod
     def from_accelerator(
         cls: Any, accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None = None, **options: Any,
     ) -> Any:  # fmt: skip
         """A TrainStep set up as an Accelerate ``Accelerator`` says (mixed_precision as amp,
-        gradient_accumulation_steps as accumulate_calls): :mod:`ddpgraph.integrations.accelerate`."""
-        from ..integrations.accelerate import accelerator_options
+        gradient_accumulation_steps as accumulate_calls), whose windows end where Accelerate's
+        ``sync_gradients`` says (an epoch's leftover micro-batches step the optimizer, as
+        Accelerate's do) and whose model and optimizer ``accelerator.save_state`` /
+        ``load_state`` save and load: :mod:`ddpgraph.integrations.accelerate`."""
+        from ..integrations.accelerate import accelerator_options, attach
 
-        return cls(
+        step = cls(
             model, optimizer, loss_fn, **accelerator_options(accelerator, model, optimizer, options)
         )
+        attach(accelerator, step, model)
+        return step
 
     @classmethod
     def from_fabric(
@@ -42,3 +55,20 @@ class FromFrameworks:
         from ..integrations.fabric import fabric_options
 
         return cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
+
+    def _loop_ends_window(self, window: Window, last: bool) -> bool:
+        """``last``, or where the framework's loop state says this call syncs and steps. A loop
+        that says "accumulate" on the window's last call would take more micro-batches per
+        update than the graphs hold: refused, naming both counts."""
+        if self.loop_syncs is None:
+            return last
+        syncs = self.loop_syncs()
+        if not syncs and not last and window.micro_batches == window.calls - 1:
+            raise ConfigError(
+                f"Accelerate says this call only accumulates (sync_gradients=False), but it "
+                f"is call {window.calls} of the TrainStep's window (accumulate_calls="
+                f"{window.calls}), which syncs and steps: call the step once inside each "
+                "`with accelerator.accumulate(model):` block, the same number of times as "
+                "gradient_accumulation_steps says."
+            )
+        return last or syncs

@@ -184,6 +184,10 @@ class Precision:
     def skipped_steps(self) -> int | None:
         return None
 
+    def update_skipped(self) -> bool:
+        """Whether the latest optimizer update was skipped (fp16 overflow only)."""
+        return False
+
     def state_dict(self) -> dict[str, float | int] | None:
         return None
 
@@ -223,6 +227,10 @@ class Fp16(Precision):
 
     def skipped_steps(self) -> int | None:
         return int(self.scaler.skipped.item())  # a host read: report() only
+
+    def update_skipped(self) -> bool:
+        # found_inf keeps the latest update's verdict until the next update's check
+        return bool(self.scaler.found_inf.item())  # a host read
 
     def state_dict(self) -> dict[str, float | int] | None:
         return self.scaler.state_dict()

@@ -179,6 +179,12 @@ class TrainStep(FromFrameworks):
         """fp16's current loss scale (a device tensor the graph updates); None without fp16."""
         return self._precision.loss_scale
 
+    @property
+    def update_skipped(self) -> bool:
+        """fp16: whether the latest optimizer update was skipped for inf/NaN gradients (a host
+        read of the device's flag, as GradScaler's callers make); False without fp16."""
+        return self._precision.update_skipped()
+
     def report(self) -> StepReport:
         """Warm-up steps, captures (with time), replays, eager steps and every fallback's reason;
         with fp16 the steps skipped for inf/NaN gradients (read from the device: a sync)."""
@@ -198,6 +204,7 @@ class TrainStep(FromFrameworks):
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
+        last = self._loop_ends_window(self._policy.window, last)
         return self._checked(self._policy.train(batch, 1, last=last))
 
     def update(self) -> None:

@@ -1,0 +1,75 @@
+"""Workers of the framework feature matrices (run by ``run_distributed`` on 2 gloo ranks).
+
+Each worker trains every row of its matrix three ways in one process launch (start-up costs
+more than these tiny runs): the framework's own DDP run, the ddpgraph port run eagerly
+(``graph="never"``), and the port with :class:`ddpgraph.testing.CpuGraphs` capturing. A row
+returns what the tests compare bit for bit (per-batch losses, learning rates, grad norms, steps,
+final parameters and optimizer state) or the error it raised.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+VARIANTS = ("framework", "eager", "graphs")
+
+
+def step_options(variant: str) -> dict[str, Any]:
+    """The TrainStep options of a port variant."""
+    from ddpgraph.testing import CpuGraphs
+
+    return {"graph": "never"} if variant == "eager" else {"engine": CpuGraphs()}
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def classes(n: int, seed: int = 1) -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.utils.data.TensorDataset(
+        torch.randn(n, 8, generator=gen), torch.randint(4, (n,), generator=gen)
+    )
+
+
+def tensors_of(state: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) state dict, in a stable order."""
+    if isinstance(state, torch.Tensor):
+        return [state.detach().clone()]
+    if isinstance(state, dict):
+        return [t for key in sorted(state, key=str) for t in tensors_of(state[key])]
+    if isinstance(state, (list, tuple)):
+        return [t for item in state for t in tensors_of(item)]
+    return []
+
+
+def outcome(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """A row's result, ``run(*args)``, or the error it raised (its type and message)."""
+    try:
+        return run(*args)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def run_rows(
+    rows: dict[str, Any], names: list[str], run_row: Callable[[str, Any, str], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """``run_row(variant, row, name)`` for each named row and variant: results by
+    ``"row/variant"``."""
+    results = {}
+    for name in names:
+        for variant in VARIANTS:
+            results[f"{name}/{variant}"] = outcome(run_row, variant, rows[name], name)
+            if os.environ.get("DDPGRAPH_MATRIX_PROGRESS") and rank() == 0:
+                print(f"matrix row {name}/{variant} done", flush=True)
+    return results
