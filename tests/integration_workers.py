@@ -281,3 +281,11 @@ def run_lightning_manual() -> None:
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
     )  # fmt: skip
     trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))
+
+
+def build_trainer_with_fsdp(output_dir: str) -> None:
+    """GraphTrainer with the Trainer's own FSDP2 arguments (refused on every rank)."""
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    args = trainer_args(output_dir, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+    GraphTrainer(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))

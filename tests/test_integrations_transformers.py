@@ -127,6 +127,39 @@ def test_step_options_reach_graph_trainer_in_either_class_order(tmp_path, fresh_
         Last(workers.tiny_gpt2(), args, step_options={"amp": "bf16"})
 
 
+def test_the_trainers_own_fsdp_set_up_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    errors = run_distributed(
+        workers.build_trainer_with_fsdp, 2, args=(str(tmp_path),), timeout=RUN_S,
+        return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "does not run the Trainer's FSDP set-up")
+    assert "fully_shard per block" in str(errors[0]) and "transformers.Trainer" in str(errors[0])
+
+
+def test_padding_free_batches_are_refused_with_the_reason():
+    from ddpgraph.integrations.transformers import _tensor_batch
+
+    packed = {"input_ids": torch.ones(1, 8, dtype=torch.long), "max_length_q": 5, "max_length_k": 5}
+    with pytest.raises(ConfigError, match=r"padding-free.*\['max_length_k', 'max_length_q'\]"):
+        _tensor_batch(packed)
+
+
+def test_collators_padding_to_the_longest_row_pad_to_length_buckets():
+    import transformers
+
+    from ddpgraph.integrations.transformers import _bucketed
+
+    longest = transformers.DataCollatorWithPadding(tokenizer=None)
+    bucketed = _bucketed(longest, 16)
+    assert bucketed.pad_to_multiple_of == 16 and longest.pad_to_multiple_of is None  # a copy
+    chosen = transformers.DataCollatorWithPadding(tokenizer=None, pad_to_multiple_of=8)
+    assert _bucketed(chosen, 16) is chosen  # the script's own choice stays
+    assert _bucketed(transformers.default_data_collator, 16) is transformers.default_data_collator
+    assert _bucketed(longest, None) is longest
+
+
 def test_import_ddpgraph_loads_no_framework():
     code = (
         "import sys, ddpgraph, ddpgraph.integrations; print(sorted(m for m in ('transformers', "

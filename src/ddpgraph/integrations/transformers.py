@@ -22,8 +22,10 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,9 +90,18 @@ class GraphTrainer(transformers.Trainer):
     arguments) comes from there. The TrainStep is built at the first training step (after a
     checkpoint was loaded into model, optimizer and scheduler) and kept as :attr:`train_step`.
 
-    Graphs need one batch shape: pad to a fixed length (``padding="max_length"``) or to a few
-    (``pad_to_multiple_of``, with ``step_options={"on_new_shape": "capture"}``).
+    Variable lengths replay by default: a data collator that pads to the longest row
+    (``pad_to_multiple_of=None``: DataCollatorWithPadding, DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq, TRL's collators) pads training batches to a multiple of
+    :attr:`pad_to_multiple_of` tokens, and each new length is captured once
+    (``on_new_shape="capture"``, unless ``step_options`` says otherwise): the plain Trainer
+    with that collator's ``pad_to_multiple_of`` set the same trains the same.
     """
+
+    #: Training batches are padded to a multiple of this many tokens where the collator pads to
+    #: the longest row (64, or a divisor of the model's maximum length); None keeps the
+    #: collator's padding.
+    pad_to_multiple_of: int | None = 64
 
     def __init__(
         self, *args: Any, step_options: Mapping[str, Any] | None = None, **kwargs: Any
@@ -105,6 +116,7 @@ class GraphTrainer(transformers.Trainer):
                 f"({', '.join(_FROM_ARGS[k] for k in taken)}); set them there."
             )
         super().__init__(*args, **kwargs)
+        _check_no_sharding_engine(self.args)
         if self.args.torch_compile and "compile" in options:
             raise ConfigError(
                 f"GraphTrainer got TrainingArguments(torch_compile=True) and step_options="
@@ -155,6 +167,15 @@ class GraphTrainer(transformers.Trainer):
         if self._handle is None or self._handle.module is not self._model():
             self._handle = _StepHandle(self._model())
         return self._handle
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's training loader, its collator padding to length buckets."""
+        collator = self.data_collator
+        self.data_collator = _bucketed(collator, self._bucket_multiple())
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
 
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
@@ -246,13 +267,25 @@ class GraphTrainer(transformers.Trainer):
             scheduler=self.lr_scheduler,
             ddp_kwargs=_ddp_kwargs(args),
             **self._compile_options(),
-            **self.step_options,
+            **{"on_new_shape": "capture", **self.step_options},
         )
         return self.train_step
 
     def _model(self) -> nn.Module:
         assert isinstance(self.model, nn.Module), "the Trainer was built without a model"
         return self.model
+
+    def _bucket_multiple(self) -> int | None:
+        """:attr:`pad_to_multiple_of`, made a divisor of the model's maximum length (a batch
+        padded past it would index positions the model does not have)."""
+        multiple = self.pad_to_multiple_of
+        config = getattr(self.model, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
+        )
+        if multiple is None or not isinstance(limit, int) or limit <= 0:
+            return multiple
+        return math.gcd(multiple, limit)
 
     def _amp(self) -> str | None:
         """The precision the Trainer's Accelerator trains in: bf16 / fp16 where it autocasts
@@ -408,8 +441,49 @@ def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _bucketed(collator: Any, multiple: int | None) -> Any:
+    """``collator`` padding to a multiple of ``multiple`` where it pads to the longest row (a
+    copy; the Trainer's evaluation keeps the original)."""
+    if multiple is None or getattr(collator, "pad_to_multiple_of", 0) is not None:
+        return collator
+    bucketed = copy.copy(collator)
+    bucketed.pad_to_multiple_of = multiple
+    return bucketed
+
+
+def _check_no_sharding_engine(args: Any) -> None:
+    """Refuse the Trainer's own FSDP and DeepSpeed set-ups before Accelerate meets them (it
+    would prepare the optimizer without the model GraphTrainer keeps out of ``prepare``)."""
+    if args.fsdp:
+        raise ConfigError(
+            f"GraphTrainer does not run the Trainer's FSDP set-up (fsdp={args.fsdp!r}, "
+            f"fsdp_config version {(args.fsdp_config or {}).get('version', 1)}): Accelerate "
+            "would shard and prepare what the graphed step owns. Train this run with "
+            "transformers.Trainer, or shard the model yourself (fully_shard per block, then the "
+            "root) and train it with ddpgraph.TrainStep, which graphs the FSDP2 step."
+        )
+    if args.deepspeed:
+        raise ConfigError(
+            f"GraphTrainer does not run DeepSpeed (deepspeed={args.deepspeed!r}): its engine "
+            "owns the step. Train this run with transformers.Trainer, or drop deepspeed= and "
+            "let GraphTrainer's DDP step train it."
+        )
+
+
+_PADDING_FREE = ("max_length_q", "max_length_k", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
 def _tensor_batch(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     others = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    if any(key in inputs for key in _PADDING_FREE):
+        raise ConfigError(
+            f"GraphTrainer does not take padding-free (packed) batches yet: the batch has "
+            f"{sorted(k for k in inputs if k in _PADDING_FREE)} (TRL's packing=True / "
+            "padding_free=True, DataCollatorWithFlattening), whose lengths the attention reads "
+            "on the host and which change at every batch. Pad instead (packing=False, "
+            "padding_free=False: GraphTrainer buckets the lengths), or train packed batches "
+            "with the plain Trainer."
+        )
     if others:
         raise ConfigError(
             f"GraphTrainer's graphed step takes tensors only, but the batch has {others}; let "
