@@ -138,6 +138,17 @@ def test_the_trainers_own_fsdp_set_up_is_refused_on_every_rank_naming_the_way_ou
     assert "fully_shard per block" in str(errors[0]) and "transformers.Trainer" in str(errors[0])
 
 
+def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    errors = run_distributed(
+        workers.build_trainer_with_sharded_model, 2, args=(str(tmp_path),), timeout=RUN_S,
+        return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "sharded with fully_shard (FSDPGPT2LMHeadModel)")
+    assert "ddpgraph.TrainStep" in str(errors[0])
+
+
 def test_padding_free_batches_are_refused_with_the_reason():
     from ddpgraph.integrations.transformers import _tensor_batch
 

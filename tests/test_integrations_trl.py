@@ -2,7 +2,8 @@
 either order) trains bit for bit as the plain SFTTrainer on 2 gloo ranks, eagerly and with the
 CPU stand-in engine capturing: the same losses, grad norms, learning rates, and SFT's own metrics
 (entropy, mean token accuracy, tokens seen), which its ``compute_loss`` computes with
-``gather_for_metrics`` and ``.item()`` inside the step. Tested with trl 1.16."""
+``gather_for_metrics`` and ``.item()`` inside the step; DPOTrainer the same way. Tested with
+trl 1.16."""
 
 from __future__ import annotations
 
@@ -57,3 +58,14 @@ def test_sft_trainer_through_graph_trainer_is_bit_for_bit_the_plain_sft_run(sft_
     logged = graphed["logs"][0]
     # SFT's own metrics, computed with host syncs inside the step, were logged (and equal)
     assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(logged), logged
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_dpo_trainer_through_graph_trainer_is_bit_for_bit_the_plain_dpo_run(tmp_path):
+    runs = run_distributed(workers.run_dpo_modes, 2, args=(str(tmp_path),), timeout=RUN_S)
+    for rank in range(2):
+        assert trainer_workers.differences(runs[rank]["plain"], runs[rank]["graphed"]) == []
+    report = runs[0]["graphed"]["report"]
+    assert "mode=graphed" in report and "replays=0" not in report, report
+    # DPO's own metrics (rewards, log-probabilities), gathered inside the step, were logged
+    assert {"rewards/margins", "logps/chosen"} <= set(runs[0]["graphed"]["logs"][0])

@@ -123,3 +123,53 @@ def run_sft_modes(out: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
             where = os.path.join(out, label, mode)
             results[label][mode] = run_sft(where, mode, order, **overrides)
     return results
+
+
+def dpo_pairs(n: int = 64, seed: int = 9) -> Any:
+    """Preference rows: a prompt of 2-6 words, a chosen and a rejected answer of 2-8."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def words(low: int, high: int) -> str:
+        count = int(torch.randint(low, high + 1, (1,), generator=gen))
+        return " ".join(f"w{int(i)}" for i in torch.randint(_WORDS, (count,), generator=gen))
+
+    rows = [
+        {"prompt": words(2, 6), "chosen": words(2, 8), "rejected": words(2, 8)} for _ in range(n)
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+def run_dpo(out: str, mode: str) -> dict[str, Any]:
+    """DPOTrainer (the reference model built as the policy is), plain or ``graphed(DPOTrainer)``."""
+    from trl import DPOConfig, DPOTrainer
+
+    from ddpgraph.integrations.transformers import graphed
+    from ddpgraph.testing import CpuGraphs
+
+    from .trainer_workers import outcome
+
+    args = DPOConfig(
+        output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        max_grad_norm=0.5, learning_rate=1e-3, warmup_steps=2, max_steps=14, logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+        dataloader_num_workers=0, max_length=24, pad_to_multiple_of=24,
+    )  # fmt: skip
+    common = dict(
+        model=tiny_llama(), ref_model=tiny_llama(), args=args, train_dataset=dpo_pairs(),
+        processing_class=tokenizer(),
+    )  # fmt: skip
+    if mode == "plain":
+        trainer = DPOTrainer(**common)
+    else:
+        options: dict[str, Any] = {"engine": CpuGraphs()} if mode == "graphed" else {}
+        trainer = graphed(DPOTrainer)(**common, step_options=options)
+    trainer.train()
+    return outcome(trainer, mode)
+
+
+def run_dpo_modes(out: str) -> dict[str, Any]:
+    import os
+
+    return {mode: run_dpo(os.path.join(out, mode), mode) for mode in ("plain", "graphed")}

@@ -108,6 +108,7 @@ class GraphTrainer(transformers.Trainer):
     ) -> None:
         if step_options is None:  # a subclass listing another Trainer first took them
             step_options = self.__dict__.pop("_step_options_given", None)
+        _check_not_sharded(kwargs.get("model", args[0] if args else None))
         options = dict(step_options or {})
         taken = sorted(set(options) & set(_FROM_ARGS))
         if taken:
@@ -449,6 +450,19 @@ def _bucketed(collator: Any, multiple: int | None) -> Any:
     bucketed = copy.copy(collator)
     bucketed.pad_to_multiple_of = multiple
     return bucketed
+
+
+def _check_not_sharded(model: Any) -> None:
+    """Refuse a model the script sharded with ``fully_shard`` (not run by GraphTrainer yet)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ConfigError(
+            f"GraphTrainer got a model sharded with fully_shard ({type(model).__name__}); it "
+            "does not graph FSDP2 models yet (its step wraps the Trainer's loss in DDP). Train "
+            "it with ddpgraph.TrainStep in your own loop, which graphs the FSDP2 step, or with "
+            "transformers.Trainer."
+        )
 
 
 def _check_no_sharding_engine(args: Any) -> None:
