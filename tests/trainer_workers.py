@@ -48,8 +48,8 @@ def _callbacks(names: list[str]) -> list[Any]:
 
     made: list[Any] = []
     for name in names:
-        if name == "early_stopping":  # patience 1: stops once the eval loss did not improve
-            made.append(transformers.EarlyStoppingCallback(early_stopping_patience=1))
+        if name == "early_stopping":  # stops after 3 evaluations that did not improve
+            made.append(transformers.EarlyStoppingCallback(early_stopping_patience=3))
     return made
 
 
