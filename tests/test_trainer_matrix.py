@@ -130,7 +130,7 @@ MORE: dict[str, dict[str, dict]] = {
 }
 
 
-def _check_group(rows: dict[str, dict], tmp_path) -> None:
+def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
     results = run_distributed(workers.run_rows, 2, args=(str(tmp_path), rows), timeout=RUN_S)
     failures = []
     for label in rows:
