@@ -281,3 +281,24 @@ def run_lightning_manual() -> None:
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
     )  # fmt: skip
     trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))
+
+
+def build_trainer_with_fsdp(output_dir: str) -> None:
+    """GraphTrainer with the Trainer's own FSDP2 arguments (refused on every rank)."""
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    args = trainer_args(output_dir, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+    GraphTrainer(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))
+
+
+def build_trainer_with_sharded_model(output_dir: str) -> None:
+    """GraphTrainer with a model the script sharded with fully_shard (refused on every rank)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    model = tiny_gpt2()
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    GraphTrainer(model=model, args=trainer_args(output_dir), train_dataset=gpt2_data(16))

@@ -2,7 +2,8 @@
 Trainer's own DDP run (2 gloo ranks, the real capture policy on the CPU): a tiny GPT-2 built
 here on padded, attention-masked batches, gradient accumulation (with ``num_items_in_batch``),
 clipping, a linear warm-up and decay; the same logged loss, grad norm and learning rate; a
-resume from the Trainer's own checkpoint lands where the Trainer's run does."""
+resume from the Trainer's own checkpoint lands where the Trainer's run does. The feature matrix
+(``test_trainer_matrix.py``) runs ~30 further TrainingArguments the same way."""
 
 from __future__ import annotations
 
@@ -28,6 +29,15 @@ def plain(tmp_path_factory):
     """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps."""
     out = tmp_path_factory.mktemp("plain")
     return out, run_distributed(workers.run_trainer, 2, args=(str(out), False), timeout=RUN_S)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Trainers built in this process leave Accelerate's process-wide state behind."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _same(ours, theirs):
@@ -61,24 +71,104 @@ def test_resume_from_the_trainers_own_checkpoint_is_exact(plain, tmp_path):
     assert "replays=8" in ours[0]["report"], ours[0]["report"]
 
 
-def test_an_epoch_ending_in_a_short_accumulation_window_is_refused_before_training(tmp_path):
-    # 9 rows, batch 4 on one rank: 3 batches per epoch, windows of 2: the last would be short
-    errors = run_distributed(
-        workers.run_trainer,
-        1,
-        args=(str(tmp_path), True, None, 9),
-        timeout=RUN_S,
-        return_exceptions=True,
-    )
-    assert isinstance(errors[0], ConfigError), errors
-    assert "last optimizer step takes 1 micro-batch" in str(errors[0])
-
-
 def test_options_the_training_arguments_set_are_refused_in_step_options():
     from ddpgraph.integrations.transformers import GraphTrainer
 
     with pytest.raises(ConfigError, match=r"\['accumulate_calls', 'amp'\].*set them there"):
         GraphTrainer(step_options={"amp": "bf16", "accumulate_calls": 2})
+
+
+def test_torch_compile_set_twice_is_refused_at_construction(tmp_path, fresh_accelerate):
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    args = workers.trainer_args(str(tmp_path), torch_compile=True, torch_compile_backend="eager")
+    with pytest.raises(ConfigError, match=r"torch_compile=True\) and step_options=.*one place"):
+        GraphTrainer(model=workers.tiny_gpt2(), args=args, step_options={"compile": True})
+
+
+def test_graphed_makes_any_trainer_subclass_a_graph_trainer():
+    import transformers
+
+    from ddpgraph.integrations.transformers import GraphTrainer, graphed
+
+    class MyTrainer(transformers.Trainer):
+        pass
+
+    made = graphed(MyTrainer)
+    assert made.__mro__[1:3] == (GraphTrainer, MyTrainer) and made.__name__ == "GraphedMyTrainer"
+    assert graphed(made) is made
+    with pytest.raises(
+        ConfigError, match=r"takes a transformers\.Trainer subclass, got <class 'int'>"
+    ):
+        graphed(int)
+
+
+def test_step_options_reach_graph_trainer_in_either_class_order(tmp_path, fresh_accelerate):
+    import transformers
+
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    class Other(transformers.Trainer):
+        def __init__(self, model: object, args: object, *, extra: int = 0) -> None:
+            self.extra = extra  # a subclass with its own, closed signature (as TRL's)
+            super().__init__(model=model, args=args)
+
+    class Last(Other, GraphTrainer):
+        pass
+
+    class Later(Last):
+        pass
+
+    args = workers.trainer_args(str(tmp_path))
+    for cls in (Last, Later):
+        trainer = cls(workers.tiny_gpt2(), args, extra=3, step_options={"warmup": 13})
+        assert trainer.step_options == {"warmup": 13} and trainer.extra == 3
+    with pytest.raises(ConfigError, match=r"\['amp'\].*set them there"):
+        Last(workers.tiny_gpt2(), args, step_options={"amp": "bf16"})
+
+
+def test_the_trainers_own_fsdp_set_up_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    errors = run_distributed(
+        workers.build_trainer_with_fsdp, 2, args=(str(tmp_path),), timeout=RUN_S,
+        return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "does not run the Trainer's FSDP set-up")
+    assert "fully_shard per block" in str(errors[0]) and "transformers.Trainer" in str(errors[0])
+
+
+def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    errors = run_distributed(
+        workers.build_trainer_with_sharded_model, 2, args=(str(tmp_path),), timeout=RUN_S,
+        return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "sharded with fully_shard (FSDPGPT2LMHeadModel)")
+    assert "ddpgraph.TrainStep" in str(errors[0])
+
+
+def test_padding_free_batches_are_refused_with_the_reason():
+    from ddpgraph.integrations.transformers import _tensor_batch
+
+    packed = {"input_ids": torch.ones(1, 8, dtype=torch.long), "max_length_q": 5, "max_length_k": 5}
+    with pytest.raises(ConfigError, match=r"padding-free.*\['max_length_k', 'max_length_q'\]"):
+        _tensor_batch(packed)
+
+
+def test_collators_padding_to_the_longest_row_pad_to_length_buckets():
+    import transformers
+
+    from ddpgraph.integrations.transformers import _bucketed
+
+    longest = transformers.DataCollatorWithPadding(tokenizer=None)
+    bucketed = _bucketed(longest, 16)
+    assert bucketed.pad_to_multiple_of == 16 and longest.pad_to_multiple_of is None  # a copy
+    chosen = transformers.DataCollatorWithPadding(tokenizer=None, pad_to_multiple_of=8)
+    assert _bucketed(chosen, 16) is chosen  # the script's own choice stays
+    assert _bucketed(transformers.default_data_collator, 16) is transformers.default_data_collator
+    assert _bucketed(longest, None) is longest
 
 
 def test_import_ddpgraph_loads_no_framework():

@@ -127,3 +127,78 @@ def test_graph_strategy_replays_a_lightning_module_in_bf16():
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _trainer_run(cls, out, rows=640, **overrides):
+    """A GraphTrainer or plain Trainer run on one GPU; its trainer and its log entries."""
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    options = {"max_steps": STEPS, "use_cpu": False, "save_strategy": "no", **overrides}
+    args = workers.trainer_args(str(out / cls.__name__), **options)
+    common = dict(model=_gpt2(), args=args, train_dataset=workers.gpt2_data(rows))
+    if overrides.get("eval_strategy", "no") != "no":
+        common["eval_dataset"] = workers.gpt2_data(32, seed=7)
+    trainer = cls(**common)
+    trainer.train()
+    if cls is GraphTrainer:
+        torch.cuda.synchronize()
+    return trainer, trainer.state.log_history
+
+
+def test_graph_trainer_evaluates_every_n_steps_in_bf16_and_stays_graphed(tmp_path):
+    # the Trainer's evaluation loop would prepare (and wrap the forward of) a model Accelerate
+    # never saw; GraphTrainer prepares it before the step is built, so nothing moves mid-run
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    eval_args = {"bf16": True, "eval_strategy": "steps", "eval_steps": 8}
+    ours, logs = _trainer_run(GraphTrainer, tmp_path, **eval_args)
+    _graphed_throughout(ours.report().step)
+    _, plain = _trainer_run(transformers.Trainer, tmp_path, **eval_args)
+    evals = [e for e in logs if "eval_loss" in e]
+    plain_evals = [e for e in plain if "eval_loss" in e]
+    assert [e["step"] for e in evals] == [e["step"] for e in plain_evals] == [8, 16, 24, 32, 40]
+    assert all("eval_model_preparation_time" not in e for e in evals)
+    norms = [e["grad_norm"] for e in logs if "grad_norm" in e]
+    assert max(norms) < 10 * min(norms), norms  # no grad norm doubling after an evaluation
+    # the capturable optimizer rounds differently from the Trainer's: close, not equal
+    assert evals[-1]["eval_loss"] == pytest.approx(plain_evals[-1]["eval_loss"], rel=0.05)
+
+
+def test_graph_trainer_fp16_holds_the_scheduler_back_after_an_overflow(tmp_path):
+    # a loss times 1e4 overflows fp16's first loss scales: those updates are skipped on the
+    # device, and the Trainer's LR schedule must not advance for them (Accelerate's rule)
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    from .. import trainer_workers
+
+    def run(cls):
+        args = workers.trainer_args(
+            str(tmp_path / cls.__name__), max_steps=STEPS, use_cpu=False, fp16=True,
+            save_strategy="no",
+        )  # fmt: skip
+        trainer = cls(
+            model=_gpt2(), args=args, train_dataset=workers.gpt2_data(640),
+            compute_loss_func=trainer_workers._scaled_loss,
+        )  # fmt: skip
+        trainer.train()
+        return trainer, [e["learning_rate"] for e in trainer.state.log_history if "loss" in e]
+
+    ours, rates = run(GraphTrainer)
+    assert ours.report().step.skipped_steps > 0, str(ours.report())
+    _, plain_rates = run(transformers.Trainer)
+    assert rates == plain_rates
+    assert rates[0] == rates[1] == 0.0  # held at the warm-up's start while skipping
+
+
+def test_graph_trainer_steps_on_an_epoch_tail_graphed(tmp_path):
+    # 79 batches an epoch with gradient_accumulation_steps=2: every epoch ends in a window of 1
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    tail = {"bf16": True, "max_steps": -1, "num_train_epochs": 2}
+    ours, logs = _trainer_run(GraphTrainer, tmp_path, rows=316, **tail)
+    _graphed_throughout(ours.report().step)
+    _, plain = _trainer_run(transformers.Trainer, tmp_path, rows=316, **tail)
+    assert ours.state.global_step == 80
+    assert [e["learning_rate"] for e in logs if "loss" in e] == [
+        e["learning_rate"] for e in plain if "loss" in e
+    ]

@@ -22,6 +22,10 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import inspect
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,9 +52,10 @@ if int(transformers.__version__.split(".")[0]) < 5:
         "pip install 'ddpgraph[transformers]'."
     )
 
-__all__ = ["GraphTrainer", "TrainerReport"]
+__all__ = ["GraphTrainer", "TrainerReport", "graphed"]
 
 NUM_ITEMS = "num_items_in_batch"  # the batch entry that carries the Trainer's token count
+WINDOW = "ddpgraph_window_micro_batches"  # the entry that carries this window's micro-batches
 
 # TrainStep options that TrainingArguments already set: taking them twice would let them differ
 _FROM_ARGS = {
@@ -85,13 +90,25 @@ class GraphTrainer(transformers.Trainer):
     arguments) comes from there. The TrainStep is built at the first training step (after a
     checkpoint was loaded into model, optimizer and scheduler) and kept as :attr:`train_step`.
 
-    Graphs need one batch shape: pad to a fixed length (``padding="max_length"``) or to a few
-    (``pad_to_multiple_of``, with ``step_options={"on_new_shape": "capture"}``).
+    Variable lengths replay by default: a data collator that pads to the longest row
+    (``pad_to_multiple_of=None``: DataCollatorWithPadding, DataCollatorForLanguageModeling,
+    DataCollatorForSeq2Seq, TRL's collators) pads training batches to a multiple of
+    :attr:`pad_to_multiple_of` tokens, and each new length is captured once
+    (``on_new_shape="capture"``, unless ``step_options`` says otherwise): the plain Trainer
+    with that collator's ``pad_to_multiple_of`` set the same trains the same.
     """
+
+    #: Training batches are padded to a multiple of this many tokens where the collator pads to
+    #: the longest row (64, or a divisor of the model's maximum length); None keeps the
+    #: collator's padding.
+    pad_to_multiple_of: int | None = 64
 
     def __init__(
         self, *args: Any, step_options: Mapping[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        if step_options is None:  # a subclass listing another Trainer first took them
+            step_options = self.__dict__.pop("_step_options_given", None)
+        _check_not_sharded(kwargs.get("model", args[0] if args else None))
         options = dict(step_options or {})
         taken = sorted(set(options) & set(_FROM_ARGS))
         if taken:
@@ -100,11 +117,35 @@ class GraphTrainer(transformers.Trainer):
                 f"({', '.join(_FROM_ARGS[k] for k in taken)}); set them there."
             )
         super().__init__(*args, **kwargs)
+        _check_no_sharding_engine(self.args)
+        if self.args.torch_compile and "compile" in options:
+            raise ConfigError(
+                f"GraphTrainer got TrainingArguments(torch_compile=True) and step_options="
+                f"{{'compile': {options['compile']!r}}}; set it in one place (the "
+                "TrainingArguments' torch_compile_backend / torch_compile_mode map to it)."
+            )
         self.step_options = options
         self.train_step: TrainStep | None = None
         self._handle: _StepHandle | None = None
         self._view: OptimizerView | None = None
         self._filter_nan_inf = False
+        self._accelerated_optimizer: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that lists another Trainer before GraphTrainer (``class T(SFTTrainer,
+        GraphTrainer)``) runs that Trainer's ``__init__`` first, which does not know
+        ``step_options``: take them off there and hand them to ``GraphTrainer.__init__``."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__init__
+        if "step_options" in inspect.signature(init, follow_wrapped=False).parameters:
+            return  # GraphTrainer's own __init__ (or one that takes them) comes first
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, step_options: Any = None, **kw: Any) -> None:
+            self.__dict__["_step_options_given"] = step_options
+            init(self, *args, **kw)
+
+        cls.__init__ = __init__  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------- the Trainer's hooks
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,15 +164,27 @@ class GraphTrainer(transformers.Trainer):
                 f"{self.args.n_gpu} (torch.nn.DataParallel); launch with torchrun "
                 "--nproc-per-node=N (or ddpgraph launch) so each rank has one GPU."
             )
+        self._prepare_model_once()
         if self._handle is None or self._handle.module is not self._model():
             self._handle = _StepHandle(self._model())
         return self._handle
+
+    def get_train_dataloader(self) -> Any:
+        """The Trainer's training loader, its collator padding to length buckets."""
+        collator = self.data_collator
+        self.data_collator = _bucketed(collator, self._bucket_multiple())
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = collator
 
     def create_scheduler(
         self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
     ) -> Any:
         # called once the optimizer is final (after accelerator.prepare): the Trainer keeps the
         # view from here on, and a scheduler built here drives the view's param groups
+        if type(self.optimizer).__name__ == "AcceleratedOptimizer":
+            self._accelerated_optimizer = self.optimizer  # its step_was_skipped: fp16
         real = _real_optimizer(self.optimizer)
         if self._view is None or self._view.optimizer is not real:
             self._view = OptimizerView(real, own_lr=True)
@@ -146,20 +199,27 @@ class GraphTrainer(transformers.Trainer):
         inputs: dict[str, Any],
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> torch.Tensor:
-        """One micro-batch through the TrainStep (the update runs inside its last one); the loss
-        as the Trainer's ``training_step`` returns it, computed on the device."""
+        """One micro-batch through the TrainStep (the update runs inside the window's last one,
+        a short last window of an epoch included); the loss as the Trainer's ``training_step``
+        returns it, computed on the device."""
         step = self._step()
-        if self.current_gradient_accumulation_steps != self.args.gradient_accumulation_steps:
-            raise ConfigError(self._short_window_message())
         self._model().train()
         batch = _tensor_batch(self._prepare_inputs(inputs))
         if num_items_in_batch is not None:
             batch[NUM_ITEMS] = torch.as_tensor(num_items_in_batch, device=self.args.device)
+        # the Trainer divides by the micro-batches of this window (fewer in an epoch's last
+        # one): a graph input, so one graph serves full and short windows
+        batch[WINDOW] = torch.tensor(
+            float(self.current_gradient_accumulation_steps), device=self.args.device
+        )
         assert self._view is not None
         self._view.push_lr()  # the LR the scheduler set since the last update
-        loss = step(batch)
-        if not self._loss_scaled_for_ga(num_items_in_batch):
-            loss = loss / self.current_gradient_accumulation_steps
+        # the Trainer sets sync_gradients on the window's last micro-batch (the epoch's end too)
+        ends = bool(self.accelerator.sync_gradients)
+        scale_before = self._loss_scale() if ends else None
+        loss = step(batch, last=ends)
+        if scale_before is not None:
+            self._hold_back_scheduler_after_overflow(scale_before)
         if self._filter_nan_inf:
             # the Trainer's filter, on the device: a non-finite loss counts as the mean so far
             mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
@@ -196,20 +256,19 @@ class GraphTrainer(transformers.Trainer):
         if self.train_step is not None and self.train_step.optimizer is real:
             self.train_step.scheduler = self.lr_scheduler  # a new train() builds a new one
             return self.train_step
-        self._check_windows()
         args = self.args
-        amp = "bf16" if args.bf16 else "fp16" if args.fp16 else None
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         self.train_step = TrainStep(
             _TrainerLoss(self._model(), self),
             real,
-            amp=amp,
+            amp=self._amp(),
             accumulate_calls=args.gradient_accumulation_steps,
             clip_grad_norm=clip,
             grad_norm=clip is None,
             scheduler=self.lr_scheduler,
             ddp_kwargs=_ddp_kwargs(args),
-            **self.step_options,
+            **self._compile_options(),
+            **{"on_new_shape": "capture", **self.step_options},
         )
         return self.train_step
 
@@ -217,30 +276,61 @@ class GraphTrainer(transformers.Trainer):
         assert isinstance(self.model, nn.Module), "the Trainer was built without a model"
         return self.model
 
-    def _check_windows(self) -> None:
-        """Refuse, before training, a run whose epochs end in a short accumulation window."""
-        k = self.args.gradient_accumulation_steps
-        loader = self.callback_handler.train_dataloader
-        if loader is None:
-            return
-        try:
-            batches = len(loader)
-        except TypeError:
-            return  # an iterable data set: max_steps ends the run
-        if batches % k and self.state.max_steps * k > batches:
-            self.current_gradient_accumulation_steps = batches % k
-            raise ConfigError(self._short_window_message(batches))
-
-    def _short_window_message(self, batches: int | None = None) -> str:
-        k = self.args.gradient_accumulation_steps
-        count = f"{batches} batches per epoch, so the" if batches is not None else "The"
-        return (
-            f"{count} epoch's last optimizer step takes {self.current_gradient_accumulation_steps}"
-            f" micro-batch(es), but GraphTrainer's graphed step takes gradient_accumulation_steps"
-            f"={k} per update; make the batches per epoch a multiple of {k} (the data set size, "
-            "per_device_train_batch_size, dataloader_drop_last) or stop inside the first epoch "
-            "with max_steps."
+    def _bucket_multiple(self) -> int | None:
+        """:attr:`pad_to_multiple_of`, made a divisor of the model's maximum length (a batch
+        padded past it would index positions the model does not have)."""
+        multiple = self.pad_to_multiple_of
+        config = getattr(self.model, "config", None)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
         )
+        if multiple is None or not isinstance(limit, int) or limit <= 0:
+            return multiple
+        return math.gcd(multiple, limit)
+
+    def _amp(self) -> str | None:
+        """The precision the Trainer's Accelerator trains in: bf16 / fp16 where it autocasts
+        (``native_amp``); none where it does not (fp16 on the CPU trains in fp32 there)."""
+        precision = str(self.accelerator.mixed_precision)
+        if not self.accelerator.native_amp or precision not in ("bf16", "fp16"):
+            return None
+        return precision
+
+    def _compile_options(self) -> dict[str, Any]:
+        """``TrainingArguments(torch_compile=True)``: the TrainStep compiles the model with the
+        arguments the Trainer's Accelerator compiles it with (backend, mode, ...)."""
+        if not self.args.torch_compile:
+            return {}
+        plugin = self.accelerator.state.dynamo_plugin
+        return {"compile": plugin.to_kwargs()}
+
+    def _prepare_model_once(self) -> None:
+        """Let Accelerate prepare the model as the Trainer's evaluation loop would (device
+        placement; under bf16/fp16 the autocast ``forward`` the Trainer's own run trains with),
+        once and before the TrainStep exists: a preparation in the middle of training would move
+        or re-wrap what the step's graphs hold."""
+        model = self._model()
+        if model in self.accelerator._models:
+            return
+        plugin = self.accelerator.state.dynamo_plugin
+        backend = plugin.backend
+        plugin.backend = type(backend)("NO")  # the TrainStep compiles (compile=...), not this
+        try:
+            self.accelerator.prepare_model(model, evaluation_mode=True)
+        finally:
+            plugin.backend = backend
+
+    def _loss_scale(self) -> float | None:
+        scale = None if self.train_step is None else self.train_step.loss_scale
+        return None if scale is None else float(scale)  # fp16 only: a host read per update
+
+    def _hold_back_scheduler_after_overflow(self, before: float) -> None:
+        """fp16: an overflowed update was skipped on the device; tell the Trainer as Accelerate
+        does (the scale went down), so it holds the LR scheduler back as in its own run."""
+        after = self._loss_scale()
+        accelerated = self._accelerated_optimizer
+        if accelerated is not None and after is not None:
+            accelerated._is_overflow = after < before
 
     def _loss_scaled_for_ga(self, num_items: Any) -> bool:
         """The Trainer's rule (``training_step``): a loss normalised by ``num_items_in_batch``
@@ -299,13 +389,19 @@ class _TrainerLoss(nn.Module):
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
         trainer: GraphTrainer = self.__dict__["_trainer"]
         num_items = inputs.pop(NUM_ITEMS, None)
-        with trainer.compute_loss_context_manager():
+        window = inputs.pop(WINDOW)
+        # autocast as in the Trainer's run: inside the model's forward only (Accelerate wrapped
+        # it), not around the rest of compute_loss (label smoothing, a custom loss)
+        no_autocast = torch.autocast(window.device.type, enabled=False)
+        with no_autocast, trainer.compute_loss_context_manager():
             loss = trainer.compute_loss(self.module, inputs, num_items_in_batch=num_items)
         assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
+        if not trainer._loss_scaled_for_ga(num_items):
+            loss = loss / window  # the Trainer's loss / current_gradient_accumulation_steps
         k = trainer.args.gradient_accumulation_steps
-        if k > 1 and trainer._loss_scaled_for_ga(num_items):
-            # TrainStep divides each micro-batch's loss by k; this loss is already normalised
-            # over the window, so its gradient is taken back to the Trainer's exactly
+        if k > 1:
+            # TrainStep divides each micro-batch's loss by k; this loss is the Trainer's, so
+            # its gradient is taken back to the Trainer's exactly
             loss = _UndoDivision.apply(loss, k)  # type: ignore[no-untyped-call]
         return loss
 
@@ -346,8 +442,62 @@ def _real_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _bucketed(collator: Any, multiple: int | None) -> Any:
+    """``collator`` padding to a multiple of ``multiple`` where it pads to the longest row (a
+    copy; the Trainer's evaluation keeps the original)."""
+    if multiple is None or getattr(collator, "pad_to_multiple_of", 0) is not None:
+        return collator
+    bucketed = copy.copy(collator)
+    bucketed.pad_to_multiple_of = multiple
+    return bucketed
+
+
+def _check_not_sharded(model: Any) -> None:
+    """Refuse a model the script sharded with ``fully_shard`` (not run by GraphTrainer yet)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ConfigError(
+            f"GraphTrainer got a model sharded with fully_shard ({type(model).__name__}); it "
+            "does not graph FSDP2 models yet (its step wraps the Trainer's loss in DDP). Train "
+            "it with ddpgraph.TrainStep in your own loop, which graphs the FSDP2 step, or with "
+            "transformers.Trainer."
+        )
+
+
+def _check_no_sharding_engine(args: Any) -> None:
+    """Refuse the Trainer's own FSDP and DeepSpeed set-ups before Accelerate meets them (it
+    would prepare the optimizer without the model GraphTrainer keeps out of ``prepare``)."""
+    if args.fsdp:
+        raise ConfigError(
+            f"GraphTrainer does not run the Trainer's FSDP set-up (fsdp={args.fsdp!r}, "
+            f"fsdp_config version {(args.fsdp_config or {}).get('version', 1)}): Accelerate "
+            "would shard and prepare what the graphed step owns. Train this run with "
+            "transformers.Trainer, or shard the model yourself (fully_shard per block, then the "
+            "root) and train it with ddpgraph.TrainStep, which graphs the FSDP2 step."
+        )
+    if args.deepspeed:
+        raise ConfigError(
+            f"GraphTrainer does not run DeepSpeed (deepspeed={args.deepspeed!r}): its engine "
+            "owns the step. Train this run with transformers.Trainer, or drop deepspeed= and "
+            "let GraphTrainer's DDP step train it."
+        )
+
+
+_PADDING_FREE = ("max_length_q", "max_length_k", "cu_seq_lens_q", "cu_seq_lens_k")
+
+
 def _tensor_batch(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     others = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
+    if any(key in inputs for key in _PADDING_FREE):
+        raise ConfigError(
+            f"GraphTrainer does not take padding-free (packed) batches yet: the batch has "
+            f"{sorted(k for k in inputs if k in _PADDING_FREE)} (TRL's packing=True / "
+            "padding_free=True, DataCollatorWithFlattening), whose lengths the attention reads "
+            "on the host and which change at every batch. Pad instead (packing=False, "
+            "padding_free=False: GraphTrainer buckets the lengths), or train packed batches "
+            "with the plain Trainer."
+        )
     if others:
         raise ConfigError(
             f"GraphTrainer's graphed step takes tensors only, but the batch has {others}; let "
@@ -368,3 +518,19 @@ def _ddp_kwargs(args: Any) -> dict[str, Any]:
     if args.ddp_static_graph is not None:
         kwargs["static_graph"] = args.ddp_static_graph
     return kwargs
+
+
+def graphed(trainer_class: type[transformers.Trainer]) -> type[GraphTrainer]:
+    """A Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, your own) with its training step
+    graphed: ``graphed(SFTTrainer)(model=..., args=..., step_options={...})``. The same as
+    ``class GraphedSFTTrainer(GraphTrainer, SFTTrainer): pass``; the subclass keeps its own
+    ``compute_loss``, logging and data preparation."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise ConfigError(
+            f"graphed() takes a transformers.Trainer subclass, got {trainer_class!r}; pass the "
+            "class itself, e.g. graphed(SFTTrainer)."
+        )
+    if issubclass(trainer_class, GraphTrainer):
+        return trainer_class
+    name = f"Graphed{trainer_class.__name__}"
+    return type(name, (GraphTrainer, trainer_class), {"__module__": trainer_class.__module__})
