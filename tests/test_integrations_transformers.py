@@ -145,7 +145,9 @@ def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(
         workers.build_trainer_with_sharded_model, 2, args=(str(tmp_path),), timeout=RUN_S,
         return_exceptions=True,
     )  # fmt: skip
-    assert_same_error_everywhere(errors, ConfigError, "sharded with fully_shard (FSDPGPT2LMHeadModel)")
+    assert_same_error_everywhere(
+        errors, ConfigError, "sharded with fully_shard (FSDPGPT2LMHeadModel)"
+    )
     assert "ddpgraph.TrainStep" in str(errors[0])
 
 
