@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .integration_workers import gpt2_data, tiny_gpt2
+from .integration_workers import gpt2_data, tiny_gpt2, trainer_args
 
 MODES = ("plain", "eager", "graphed")
 _TIMING = ("runtime", "per_second")  # wall-time entries of the logs: never equal
@@ -19,28 +19,11 @@ _TIMING = ("runtime", "per_second")  # wall-time entries of the logs: never equa
 
 def base_args(output_dir: str, **overrides: Any) -> Any:
     """A short run that still captures: 14 updates (the warm-up DDP allows is 12), k=2."""
-    import transformers
-
     options: dict[str, Any] = dict(
-        output_dir=output_dir,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        gradient_accumulation_steps=2,
-        max_grad_norm=0.5,
-        learning_rate=1e-3,
-        lr_scheduler_type="linear",
-        warmup_steps=3,
-        max_steps=14,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        per_device_eval_batch_size=4, warmup_steps=3, max_steps=14, save_strategy="no"
     )
     options.update(overrides)
-    return transformers.TrainingArguments(**options)
+    return trainer_args(output_dir, **options)
 
 
 def _callbacks(names: list[str]) -> list[Any]:
