@@ -268,6 +268,17 @@ CAPTURE = "RuntimeError: CUDA error: operation not permitted when stream is capt
             '  File "model.py", line 12, in forward\n    if mask.sum().item() > 0:',
             "host-sync",
         ),
+        (
+            "    hidden_states[mask] if compact else hidden_states.reshape(-1, h)",
+            "data-dependent-shape",
+        ),
+        ("    y = x[:, ~attention_mask.bool()]", "data-dependent-shape"),
+        ("    kept = labels[labels != -100]", "data-dependent-shape"),
+        ("    idx, = torch.where(torch.eq(expert, 3))", "data-dependent-shape"),
+        ("    rows = scores.masked_select(keep)", "data-dependent-shape"),
+        ("    if torch.is_nonzero(flag):", "host-sync"),  # a truth test, not a shape
+        ("    y = torch.where(mask, x, 0)", "ddp-warmup"),  # three arguments: a fixed shape
+        ("    y = x[:, :mask_len]", "ddp-warmup"),  # a slice
         ("model on cuda:1, capture stream on the current device", "device-mismatch"),
         ("Warp CUDA error 900 (in function cuda_load_module)", "uncaptured-setup"),
         ("", "ddp-warmup"),  # no evidence: the table's order, DDP's warm-up count first
@@ -278,7 +289,13 @@ def test_capture_errors_list_every_cause_with_the_evident_one_first(context: str
     assert found is not None and found.id == "capture-not-permitted"
     ids = [c.id for c in found.causes]
     assert ids[0] == first
-    assert sorted(ids) == ["ddp-warmup", "device-mismatch", "host-sync", "uncaptured-setup"]
+    assert sorted(ids) == [
+        "data-dependent-shape",
+        "ddp-warmup",
+        "device-mismatch",
+        "host-sync",
+        "uncaptured-setup",
+    ]
     assert all(c.tell for c in found.causes)
 
 
@@ -345,7 +362,7 @@ def test_render_lists_every_cause_with_how_to_tell_them_apart():
     found = explain(CAPTURE)
     assert found is not None
     text = found.render()
-    assert text.startswith("a forbidden call inside CUDA-graph capture: 4 possible causes")
+    assert text.startswith("a forbidden call inside CUDA-graph capture: 5 possible causes")
     for number, cause in enumerate(found.causes, start=1):
         assert f"{number}. {cause.title}\n   cause: {cause.cause}\n   fix: {cause.fix}" in text
         assert f"how to tell: {cause.tell}" in text
@@ -377,7 +394,7 @@ def test_cli_explain_prints_all_causes():
     assert result.exit_code == 0
     found = explain(CAPTURE)
     assert found is not None and result.output == found.render() + "\n"
-    assert result.output.count("how to tell: ") == 4
+    assert result.output.count("how to tell: ") == 5
 
 
 @pytest.mark.parametrize(
@@ -440,3 +457,22 @@ def test_cli_explain_treats_a_long_message_as_text_not_a_path():
     message = "x" * 5000 + " Default process group has not been initialized"
     result = CliRunner().invoke(cli, ["explain", message])
     assert result.exit_code == 0 and "torchrun" in result.output
+
+
+def test_trls_fused_lm_head_mask_index_is_named_first_through_ddp(tmp_path: Path):
+    """TRL's fused LM-head loss scores only the valid positions on CUDA (`hidden_states[mask]`):
+    a capture through it fails in that line, inside DDP's forward. The line from the installed
+    TRL, run as the frame that raises, must put the data-dependent shape first, not DDP."""
+    trl_utils = pytest.importorskip("trl.trainer.utils")
+    source = Path(trl_utils.__file__).read_text("utf-8").splitlines()
+    line = next(i for i, text in enumerate(source) if "hidden_states[mask] if compact" in text)
+    # code compiled as TRL's file, raising at that line what CUDA raises there: the traceback
+    # shows TRL's own text for the frame, read from the installed file
+    body = "\n" * line + "raise RuntimeError(f'CUDA error: {CAPTURE}')"
+    code = compile(body, trl_utils.__file__, "exec")
+    try:
+        exec(code, {"CAPTURE": CAPTURE.split("CUDA error: ")[1]})
+    except RuntimeError as exc:
+        found = explain_exception(exc)
+    assert found is not None and found.id == "capture-not-permitted"
+    assert found.causes[0].id == "data-dependent-shape", [c.id for c in found.causes]

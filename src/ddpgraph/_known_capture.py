@@ -6,6 +6,16 @@ from ._known_errors import _WARMUP_FIX, Cause, Known, _known, _seen, _single
 
 __all__ = ["CAPTURE_AND_DDP"]
 
+# Ops whose output size is the number of True values (matched in text without spaces, lowered):
+# a boolean-mask index, x[mask] / x[:, ~mask] / x[mask.bool()] / x[labels != -100]; nonzero (not
+# is_nonzero, a truth test); argwhere; masked_select; unique; one-argument torch.where.
+_DATA_DEPENDENT_SHAPE = (
+    r"[\w)\]]\[(?:(?::|\.\.\.),)*~?[\w.]*mask[\w.]*(?:\(\))?\]"
+    r"|[\w)\]]\[[\w.]+(?:!=|==|>=|<=|>|<)-?[\w.]+\]"
+    r"|(?<!is_)nonzero|argwhere|masked_select|torch\.unique\(|\.unique\("
+    r"|torch\.where\((?:[^,()]|\([^()]*\))*\)"
+)
+
 CAPTURE_AND_DDP: tuple[Known, ...] = (
     # --- CUDA-graph capture: the first error of a capture before its consequences ------------
     _single(
@@ -115,19 +125,33 @@ CAPTURE_AND_DDP: tuple[Known, ...] = (
             evidence=_seen(r"set_runtime_stats_and_log|_pre_forward"),
         ),
         Cause(
+            "data-dependent-shape",
+            "a data-dependent shape in the captured code (x[mask], nonzero, masked_select)",
+            "a boolean-mask index (x[mask], x[x > 0]), nonzero, argwhere, masked_select, unique "
+            "or one-argument torch.where sizes its output by the number of True values; the CPU "
+            "must read that count from the GPU before it can allocate the result, and a capture "
+            "cannot wait for the GPU",
+            "keep every shape fixed: compute on all positions and mask the result instead of "
+            "selecting them (torch.where(mask, x, 0), x * mask, masked_fill, a loss over all "
+            "positions with ignore_index=-100); a failed TrainStep capture names the line after "
+            "'at'",
+            tell="the failing line indexes a tensor with a boolean tensor (x[mask], "
+            "x[labels != -100]) or calls nonzero, argwhere, masked_select, unique or "
+            "one-argument torch.where; torch's frames show nonzero_cuda_out",
+            evidence=_seen(_DATA_DEPENDENT_SHAPE),
+        ),
+        Cause(
             "host-sync",
             "a host synchronisation in the captured code",
             "something in the captured region waited for the GPU: .item(), .cpu(), .tolist(), "
-            "print(tensor), torch.cuda.synchronize(), a data-dependent shape (nonzero, "
-            "one-argument torch.where, masked_select) or a stream/device synchronize",
+            "print(tensor), `if tensor:`, torch.cuda.synchronize() or a stream/device "
+            "synchronize",
             "move every .item()/.cpu()/print of a tensor and every synchronize out of the "
-            "captured region (read the static outputs after g.replay()), and replace "
-            "data-dependent shapes with fixed-size ops (e.g. torch.where(mask, a, b))",
-            tell="the failing frame is .item(), .cpu(), nonzero/where, print or a "
+            "captured region (read the static outputs after g.replay())",
+            tell="the failing frame is .item(), .cpu(), print, a truth test of a tensor or a "
             "*Synchronize call",
             evidence=_seen(
-                r"\.item\(|\.cpu\(|\.tolist\(|synchroni[sz]e|nonzero|torch\.where\("
-                r"|masked_select|is_nonzero|cudaMemcpy(?!Async)"
+                r"\.item\(|\.cpu\(|\.tolist\(|synchroni[sz]e|is_nonzero|cudaMemcpy(?!Async)"
             ),
         ),
         Cause(

@@ -57,3 +57,19 @@ def test_ddp_captured_after_three_forwards_is_explained_by_the_warmup_count(rt):
     found = explain_exception(_capture_error(lambda: model(x).sum().backward(), stream))
     assert found is not None and found.id == "capture-not-permitted", found
     assert found.causes[0].id == "ddp-warmup", [c.id for c in found.causes]
+
+
+def test_a_boolean_mask_index_inside_capture_is_explained_as_a_data_dependent_shape():
+    # TRL's fused LM-head loss on CUDA does this (hidden_states[mask]); nonzero syncs underneath
+    hidden = torch.randn(2, 6, 4, device="cuda")
+    labels = torch.tensor([[1, -100, 2, 3, -100, 4], [5, 6, -100, 7, 8, 9]], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def step() -> object:
+        mask = labels != -100
+        return hidden[mask].sum()
+
+    found = explain_exception(_capture_error(step, stream))
+    assert found is not None and found.id == "capture-not-permitted", found
+    assert found.causes[0].id == "data-dependent-shape", [c.id for c in found.causes]
