@@ -42,6 +42,24 @@ def test_a_nan_on_one_rank_stops_every_rank_with_the_same_error_naming_the_step(
     assert {exc.step for exc in results} == {bad_step}
 
 
+@pytest.mark.parametrize("engine", ["never", "fake"])
+def test_a_nan_in_one_ranks_fsdp2_shard_stops_every_rank_at_that_step(engine):
+    """Issue 42: FSDP2 gives each rank its shard of a gradient; a NaN in one element of one
+    rank's shard (not its first) is seen through the all-reduced norm by every rank, at the step
+    it appeared (the probe of each shard's first element missed it until the NaN parameters made
+    the next loss NaN)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    results = run_distributed(
+        finite_workers.nan_in_one_shard,
+        2,
+        args=(6, 1, engine),
+        timeout=240,
+        return_exceptions=True,
+    )
+    assert_same_error_everywhere(results, NonFiniteError, "at step 6,")
+    assert {exc.step for exc in results} == {6}
+
+
 def test_without_the_check_nothing_changes_bit_for_bit_and_a_nan_is_not_raised():
     data = batches(6, 8)
     runs = []
