@@ -9,10 +9,10 @@ of ``defer_update`` reading the LR set after the micro-steps, re-capture after f
 (``GraphSafeOptimizer.sync_lr``), which the captured update reads. The eager reference must step
 on the tensor too: with the float, capturable AdamW's ``_foreach_div_(bias_correction1, lr)``
 takes CUDA's scalar overload, which multiplies by the reciprocal (``scalar_reciprocal`` in
-ATen's ForeachBinaryOpScalar.cu), while the tensor overload divides, and the updates differ in
-the last bit from the first window after the LR was set. (On the CPU both overloads divide,
-which is why the CPU counterpart never saw it.) The float-vs-tensor difference is the one
-``report().optimizer_changes`` measures as ``lr on device``."""
+ATen's ForeachBinaryOpScalar.cu, since pytorch#128433), while the tensor overload divides, and
+the updates differ in the last bit from the first window after the LR was set. (On the CPU both
+overloads divide, which is why the CPU counterpart never saw it.) The float-vs-tensor difference
+is the one ``report().optimizer_changes`` measures as ``lr on device``."""
 
 from __future__ import annotations
 
