@@ -11,11 +11,13 @@ On the device (inside the step, so inside its graph):
   (``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1, which writes every value back
   unchanged) over the total grad norm where the step measures one (``clip_grad_norm``,
   ``grad_norm=True``: a non-finite gradient element makes it inf or NaN), else over every
-  gradient, one kernel per dtype. Its flag stays set once set; one more kernel adds
-  ``[1, flag]`` to the device counts ``[updates, updates since the first bad one]``, from which
-  the host names the first bad update (1-based, counting from the loaded step count). Two kernels
-  per update where the old probe (one cast per gradient, a cat, then seven scalar kernels) took
-  about ten: ``benchmarks/finite_check_cost.py`` measures the cost per replayed step.
+  gradient, one multi-tensor launch per dtype (more only past torch's per-launch limits of
+  tensors and blocks). Its flag stays set once set; one more kernel adds ``[1, flag]`` to the
+  device counts ``[updates, updates since the first bad one]``, from which the host names the
+  first bad update (1-based, counting from the loaded step count). Two kernels per update on a
+  small model, where the old probe (a cat of every gradient's first element, then seven scalar
+  kernels) took about ten; ``benchmarks/finite_check_cost.py`` measures the cost per replayed
+  step (not yet run on a GPU for this probe).
 - FSDP2 keeps only its shard of each gradient on a rank, so a NaN in one element is seen by one
   rank alone: there the probe reads the all-reduced total norm (the clipping's, or
   :meth:`~ddpgraph.step.parallel.DataParallel.grad_norm` computed for the check), which every
