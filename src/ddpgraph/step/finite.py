@@ -3,10 +3,11 @@ finite, with an error naming that step, raised alike on every rank, without a ho
 
 On the device (inside the step, so inside its graph):
 
-- each micro-batch's loss enters backward multiplied by ``1 + 0 * loss``: exactly 1.0 for a
-  finite loss (the gradients are the same bits), NaN for a NaN or infinite one. A bad loss on any
-  rank so makes every gradient NaN after the gradient all-reduce, on every rank: the ranks see
-  the same gradients and so agree on the flag with no collective of the check's own.
+- each micro-batch's loss passes through an identity whose backward adds ``0 * loss * loss`` to
+  the gradient flowing into the loss (one ``addcmul`` kernel, none in the forward): exactly the
+  same bits for a finite loss, NaN for a NaN or infinite one. A bad loss on any rank so makes
+  every gradient NaN after the gradient all-reduce, on every rank: the ranks see the same
+  gradients and so agree on the flag with no collective of the check's own.
 - at each update one probe: torch's own inf/NaN check of GradScaler
   (``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1, which writes every value back
   unchanged) over the total grad norm where the step measures one (``clip_grad_norm``,
@@ -15,8 +16,9 @@ On the device (inside the step, so inside its graph):
   tensors and blocks). Its flag stays set once set; one more kernel adds ``[1, flag]`` to the
   device counts ``[updates, updates since the first bad one]``, from which the host names the
   first bad update (1-based, counting from the loaded step count). Two kernels per update on a
-  small model, where the old probe (a cat of every gradient's first element, then seven scalar
-  kernels) took about ten; ``benchmarks/finite_check_cost.py`` measures the cost per replayed
+  small model, and one in the backward for the seed, where the old check (three kernels and a
+  backward one for the seed, a cat of every gradient's first element, then seven scalar kernels)
+  took about fourteen; ``benchmarks/finite_check_cost.py`` measures the cost per replayed
   step (not yet run on a GPU for this probe).
 - FSDP2 keeps only its shard of each gradient on a rank, so a NaN in one element is seen by one
   rank alone: there the probe reads the all-reduced total norm (the clipping's, or
@@ -33,6 +35,7 @@ or two after the bad step and names the step itself.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 
@@ -62,8 +65,8 @@ class FiniteCheck:
 
     # ------------------------------------------------------------------ device side
     def seed(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` with a backward seed that is NaN when the loss is not finite (1.0 else)."""
-        return loss * (loss.detach() * 0 + 1)
+        """``loss`` as it is, whose backward makes every gradient NaN when it is not finite."""
+        return cast(torch.Tensor, _NanSeed.apply(loss))  # type: ignore[no-untyped-call]
 
     def record(self, grads: Iterable[torch.Tensor], grad_norm: torch.Tensor | None) -> None:
         """Count one update, flagging it if its total grad norm (where given: the caller passes
@@ -115,6 +118,23 @@ class FiniteCheck:
                 step,
             )
             raise self._error
+
+
+class _NanSeed(torch.autograd.Function):
+    """Identity in the forward (a view: no kernel); the backward passes the gradient on as
+    ``grad + 0 * loss * loss`` (one kernel): the same bits when the loss is finite (the
+    gradient reaching a loss is never -0.0, the one value ``+ 0`` would change), NaN when it is
+    NaN or infinite (``0 * inf`` is NaN)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (loss,) = ctx.saved_tensors
+        return torch.addcmul(grad, loss, loss, value=0)
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:
