@@ -23,7 +23,14 @@ class PoisonedLoss(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y) + poison.sum()
 
 
-def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: int = 1) -> None:
+def nan_at_step(
+    bad_step: int,
+    bad_rank: int,
+    engine: str,
+    where: str,
+    calls: int = 1,
+    clip: float | None = None,
+) -> None:
     """Train with check_finite until it raises; a NaN enters rank ``bad_rank``'s step
     ``bad_step`` (1-based optimizer steps) through the input (``where="input"``) or the loss
     alone (``"loss"``). Returns only if no error came (the test then fails)."""
@@ -36,6 +43,7 @@ def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: in
         None if own else nn.CrossEntropyLoss(),
         check_finite=True,
         accumulate_calls=calls,
+        clip_grad_norm=clip,  # the check then probes the clipping's total norm
         engine=CpuGraphs() if engine == "fake" else None,
         graph="never" if engine == "never" else "auto",
     )

@@ -19,21 +19,22 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize(
-    ("engine", "where", "calls", "bad_step"),
+    ("engine", "where", "calls", "bad_step", "clip"),
     [
-        ("never", "input", 1, 5),
-        ("fake", "input", 1, 16),  # after warm-up (12) and capture: a replay meets the NaN
-        ("fake", "loss", 1, 16),  # the NaN reaches the loss only, on one rank
-        ("fake", "input", 2, 15),  # accumulate_calls: the window's update names the step
+        ("never", "input", 1, 5, None),
+        ("fake", "input", 1, 16, None),  # after warm-up (12) and capture: a replay meets the NaN
+        ("fake", "loss", 1, 16, None),  # the NaN reaches the loss only, on one rank
+        ("fake", "input", 2, 15, None),  # accumulate_calls: the window's update names the step
+        ("fake", "loss", 1, 16, 1.0),  # the probe reads the clipping's norm
     ],
 )
 def test_a_nan_on_one_rank_stops_every_rank_with_the_same_error_naming_the_step(
-    engine, where, calls, bad_step
+    engine, where, calls, bad_step, clip
 ):
     results = run_distributed(
         finite_workers.nan_at_step,
         2,
-        args=(bad_step, 1, engine, where, calls),
+        args=(bad_step, 1, engine, where, calls, clip),
         timeout=240,
         return_exceptions=True,
     )
