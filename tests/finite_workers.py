@@ -23,7 +23,14 @@ class PoisonedLoss(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y) + poison.sum()
 
 
-def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: int = 1) -> None:
+def nan_at_step(
+    bad_step: int,
+    bad_rank: int,
+    engine: str,
+    where: str,
+    calls: int = 1,
+    clip: float | None = None,
+) -> None:
     """Train with check_finite until it raises; a NaN enters rank ``bad_rank``'s step
     ``bad_step`` (1-based optimizer steps) through the input (``where="input"``) or the loss
     alone (``"loss"``). Returns only if no error came (the test then fails)."""
@@ -36,6 +43,7 @@ def nan_at_step(bad_step: int, bad_rank: int, engine: str, where: str, calls: in
         None if own else nn.CrossEntropyLoss(),
         check_finite=True,
         accumulate_calls=calls,
+        clip_grad_norm=clip,  # the check then probes the clipping's total norm
         engine=CpuGraphs() if engine == "fake" else None,
         graph="never" if engine == "never" else "auto",
     )
@@ -66,3 +74,46 @@ def compile_dict_on_a_sharded_model() -> None:
     fully_shard(model)
     TrainStep(model, torch.optim.AdamW(model.parameters()), nn.CrossEntropyLoss(),
               compile={"mode": "default"})  # fmt: skip
+
+
+def nan_in_one_shard(bad_step: int, bad_rank: int, engine: str) -> None:
+    """FSDP2 (issue 42): at update ``bad_step`` a NaN appears in one element of rank
+    ``bad_rank``'s shard of a gradient (the last element of its shard of the head's weight, put
+    there by an optimizer pre-step hook, after the reduce-scatter), which no other rank holds.
+    Every rank must name that step; the check reads the all-reduced norm. Returns only if no
+    error came (the test then fails)."""
+    from .fsdp2_workers import batches as shard_batches
+    from .fsdp2_workers import make_model as shard_model
+    from .fsdp2_workers import shard
+
+    rank = torch.distributed.get_rank()
+    model = shard(shard_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    updates = 0
+
+    def poison(optimizer: object, args: object, kwargs: object) -> None:
+        nonlocal updates
+        updates += 1
+        if rank == bad_rank and updates == bad_step:
+            local = model.head.weight.grad._local_tensor  # type: ignore[union-attr]
+            local.view(-1)[-1] = float("nan")
+
+    opt.register_step_pre_hook(poison)
+    step = TrainStep(
+        model,
+        opt,
+        nn.CrossEntropyLoss(),
+        check_finite=True,
+        warmup=3,
+        engine=CpuGraphs() if engine == "fake" else None,
+        graph="never" if engine == "never" else "auto",
+    )
+    for call, (x, y) in enumerate(shard_batches(12), start=1):
+        try:
+            step(x, y)
+        except NonFiniteError:
+            assert call == bad_step, call
+            if engine == "fake":
+                assert step.report().replays > 0 and step.mode == "graphed", step.report()
+            raise
+    return None

@@ -270,3 +270,36 @@ def capture_while_unsharding(steps: int = 6) -> dict:
         "mode": report.mode,
         "replays": report.replays,
     }
+
+
+def prefetch_and_sync_flag(steps: int, calls: int, warmup: int = 3) -> dict:
+    """The GPU test's habits on the CPU stand-in (issue 42, item 3): ``model.unshard()`` before
+    every call (explicit prefetch) and the script's own ``set_requires_gradient_sync`` kept
+    around ``step()`` with ``accumulate_calls=calls``; which calls replayed, and the numbers."""
+    model = shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(
+        model,
+        opt,
+        nn.CrossEntropyLoss(),
+        accumulate_calls=calls,
+        clip_grad_norm=1.0,
+        warmup=warmup,
+        engine=CpuGraphs(),
+    )
+    losses, not_replayed = [], []
+    for i, (x, y) in enumerate(batches(steps * calls)):
+        model.unshard()  # type: ignore[operator]
+        model.set_requires_gradient_sync(i % calls == calls - 1)  # type: ignore[operator]
+        before = step.report().replays
+        losses.append(float(step(x, y)))
+        if step.report().replays == before:
+            not_replayed.append(i)
+    report = step.report()
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "not_replayed": not_replayed,
+        "replays": report.replays,
+        "report": str(report),
+    }

@@ -19,27 +19,46 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.mark.parametrize(
-    ("engine", "where", "calls", "bad_step"),
+    ("engine", "where", "calls", "bad_step", "clip"),
     [
-        ("never", "input", 1, 5),
-        ("fake", "input", 1, 16),  # after warm-up (12) and capture: a replay meets the NaN
-        ("fake", "loss", 1, 16),  # the NaN reaches the loss only, on one rank
-        ("fake", "input", 2, 15),  # accumulate_calls: the window's update names the step
+        ("never", "input", 1, 5, None),
+        ("fake", "input", 1, 16, None),  # after warm-up (12) and capture: a replay meets the NaN
+        ("fake", "loss", 1, 16, None),  # the NaN reaches the loss only, on one rank
+        ("fake", "input", 2, 15, None),  # accumulate_calls: the window's update names the step
+        ("fake", "loss", 1, 16, 1.0),  # the probe reads the clipping's norm
     ],
 )
 def test_a_nan_on_one_rank_stops_every_rank_with_the_same_error_naming_the_step(
-    engine, where, calls, bad_step
+    engine, where, calls, bad_step, clip
 ):
     results = run_distributed(
         finite_workers.nan_at_step,
         2,
-        args=(bad_step, 1, engine, where, calls),
+        args=(bad_step, 1, engine, where, calls, clip),
         timeout=240,
         return_exceptions=True,
     )
     message = assert_same_error_everywhere(results, NonFiniteError, f"at step {bad_step},")
     assert "not finite (NaN or inf)" in message and "check_finite=False" in message
     assert {exc.step for exc in results} == {bad_step}
+
+
+@pytest.mark.parametrize("engine", ["never", "fake"])
+def test_a_nan_in_one_ranks_fsdp2_shard_stops_every_rank_at_that_step(engine):
+    """Issue 42: FSDP2 gives each rank its shard of a gradient; a NaN in one element of one
+    rank's shard (not its first) is seen through the all-reduced norm by every rank, at the step
+    it appeared (the probe of each shard's first element missed it until the NaN parameters made
+    the next loss NaN)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    results = run_distributed(
+        finite_workers.nan_in_one_shard,
+        2,
+        args=(6, 1, engine),
+        timeout=240,
+        return_exceptions=True,
+    )
+    assert_same_error_everywhere(results, NonFiniteError, "at step 6,")
+    assert {exc.step for exc in results} == {6}
 
 
 def test_without_the_check_nothing_changes_bit_for_bit_and_a_nan_is_not_raised():

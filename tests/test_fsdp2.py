@@ -126,6 +126,22 @@ def test_an_unshard_left_pending_by_the_script_is_undone_before_each_step_and_ca
         _same(result["ours"], result["theirs"])
 
 
+@pytest.mark.parametrize("calls", [1, 2])
+def test_explicit_prefetch_and_the_scripts_sync_flag_replay_every_call_after_the_warmup(calls):
+    """The GPU test's count on the CPU stand-in: with unshard() before each call and the script's
+    own sync flag, the warm-up's 3 * calls calls are the only eager ones, and the numbers are the
+    plain FSDP2 loop's."""
+    steps = 7
+    plain = run_distributed(w.plain_loop, 2, args=(steps, calls, 1, 1.0), timeout=200)
+    ours = run_distributed(w.prefetch_and_sync_flag, 2, args=(steps, calls), timeout=200)
+    for rank in range(2):
+        r = ours[rank]
+        assert r["not_replayed"] == list(range(3 * calls)), r["report"]
+        assert r["replays"] == (steps - 3) * calls, r["report"]
+        assert r["losses"] == plain[rank]["losses"]
+        _same(r["params"], plain[rank]["params"])
+
+
 def test_expandable_segments_with_nccl_graph_registration_is_refused_with_the_fix(monkeypatch):
     from ddpgraph.distributed import runtime
     from ddpgraph.step import parallel

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from ddpgraph.step.optim import plan_graph_safety
-from ddpgraph.step.optim_diff import PROBE_STEPS, measured_difference, step_options
+from ddpgraph.step.optim_diff import (
+    PROBE_STEPS,
+    measured_difference,
+    measured_differences,
+    step_options,
+)
 
 STEPS = 20
 
@@ -123,25 +128,49 @@ def test_sgds_tensor_lr_is_bitwise_and_its_fused_switch_is_measured(nesterov):
     assert measured_difference(sgd, 0, before, torch.device("cpu")) == 0
 
 
-def test_the_report_lists_each_change_with_its_measured_size(capturable_on_cpu):
+def test_the_report_lists_each_change_that_makes_a_difference_with_its_own_size(
+    capturable_on_cpu,
+):
     cpu = torch.device("cpu")
     model = _model()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    plan = plan_graph_safety(sgd, cpu, fp16=False)
-    assert not isinstance(plan, str)
-    assert plan.changes == ["fused=True", "lr on device"]
-    assert [line.split(" (")[0] for line in plan.described] == plan.changes
-    assert all(f"after {PROBE_STEPS} steps" in line for line in plan.described)
-
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = step_options(adamw)
     plan = plan_graph_safety(adamw, cpu, fp16=False)
-    assert not isinstance(plan, str) and plan.changes[0] == "capturable=True"
-    size = measured_difference(adamw, 0, before[0], cpu)
-    assert size > 0 and f"{size:.3g}" in plan.described[0]
+    assert not isinstance(plan, str) and plan.changes == ["capturable=True", "lr on device"]
+    assert [line.split(" (")[0] for line in plan.described] == plan.changes
+    assert all(f"after {PROBE_STEPS} steps" in line for line in plan.described)
+    settings, lr = measured_differences(adamw, 0, before[0], cpu)
+    assert settings > 0 and lr > 0  # each measured alone, each with its own size
+    assert f"max |Δparam| {settings:.3g} vs the script's settings" in plan.described[0]
+    assert f"max |Δparam| {lr:.3g} vs the script's float LR" in plan.described[1]
 
     already = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     plan = plan_graph_safety(already, cpu, fp16=False)
     assert not isinstance(plan, str) and plan.changes == ["lr on device"]
     # the LR tensor alone: float32, while the script's LR is a double (1e-3 is not a float32)
     assert "max |Δparam|" in plan.described[0]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    ],
+    ids=["sgd", "adamw-fused"],
+)
+def test_a_change_that_changes_nothing_is_made_but_not_reported(make, capturable_on_cpu):
+    """Issue 42 item 5: the H200 listed capturable=True and lr on device for a fused AdamW whose
+    graphed run was bitwise the script's own. Both measure 0 on the probe (as SGD's changes do on
+    the CPU), so the report lists neither; the settings are still changed."""
+    opt = make(_model().parameters())
+    plan = plan_graph_safety(opt, torch.device("cpu"), fp16=False)
+    assert not isinstance(plan, str) and "lr on device" in plan.changes
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)
+    assert plan.described == []
+
+
+def test_a_device_tensor_lr_given_by_the_script_is_no_change(capturable_on_cpu):
+    opt = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(1e-3), capturable=True)
+    plan = plan_graph_safety(opt, torch.device("cpu"), fp16=False)
+    assert not isinstance(plan, str) and plan.changes == [] and plan.described == []

@@ -250,10 +250,14 @@ def script_habits_graphed_vs_eager(steps: int, calls: int) -> dict[str, Any]:
         graph="always",
     )
     graphed = []
+    eager_calls = []  # (call index, phase after it): the calls that did not replay
     for i, (x, y) in enumerate(data):
         mine.unshard()  # type: ignore[operator]
         mine.set_requires_gradient_sync(i % calls == calls - 1)  # type: ignore[operator]
+        replays = step.report().replays
         graphed.append(float(step(x, y)))
+        if step.report().replays == replays:
+            eager_calls.append((i, step.phase.value))
     ref = sharded()
     opt = adamw(ref, "foreach", graph_safe=True)
     # the plain loop without the prefetch: an all-gather copies the same shards either way
@@ -265,4 +269,7 @@ def script_habits_graphed_vs_eager(steps: int, calls: int) -> dict[str, Any]:
         "eager_params": full_params(ref),
         "phase": step.phase.value,
         "replays": step.report().replays,
+        "eager_steps": step.report().eager_steps,
+        "eager_calls": eager_calls,
+        "report": str(step.report()),
     }

@@ -14,11 +14,11 @@ from ddpgraph.demo.models import build_model
 pytestmark = pytest.mark.timeout(600)
 
 
-def _step(check: bool) -> TrainStep:
+def _step(check: bool, clip: float | None = None) -> TrainStep:
     torch.manual_seed(0)
     model = build_model("mlp").cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    return TrainStep(model, opt, nn.CrossEntropyLoss(), check_finite=check)
+    return TrainStep(model, opt, nn.CrossEntropyLoss(), check_finite=check, clip_grad_norm=clip)
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -30,8 +30,10 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]  # fmt: skip
 
 
-def test_a_nan_in_a_replay_raises_within_two_calls_naming_its_step(rt):
-    step = _step(True)
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["gradients", "clip-norm"])
+def test_a_nan_in_a_replay_raises_within_two_calls_naming_its_step(rt, clip):
+    """Both probes: every gradient (no norm measured), and the clipping's total norm."""
+    step = _step(True, clip)
     data = _batches(60)
     bad = 40  # long after capture
     raised_at = None
@@ -51,10 +53,12 @@ def test_a_nan_in_a_replay_raises_within_two_calls_naming_its_step(rt):
     assert raised_at is not None and bad <= raised_at <= bad + 2, raised_at
 
 
-def test_the_check_changes_no_bit_of_a_graphed_run(rt):
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["gradients", "clip-norm"])
+def test_the_check_changes_no_bit_of_a_graphed_run(rt, clip):
+    """The probe writes every gradient (or the norm) back unchanged: no bit moves."""
     runs = []
     for check in (False, True):
-        step = _step(check)
+        step = _step(check, clip)
         losses = [step(x, y).clone() for x, y in _batches(30)]
         assert step.mode == "graphed"
         runs.append((torch.stack(losses), [p.detach().clone() for p in step.model.parameters()]))

@@ -2,7 +2,17 @@
 (``graph="never"`` with the same graph-safe optimizer): buffers broadcast at a window's start
 (inside the graph for one call per step, outside it for ``accumulate_calls``), the update graph
 of ``defer_update`` reading the LR set after the micro-steps, re-capture after freezing with
-``find_unused_parameters=True``, ``last=True`` and the script's own sync flag."""
+``find_unused_parameters=True``, ``last=True`` and the script's own sync flag.
+
+"The same graph-safe optimizer" includes its LR tensor (issue 42, item 4): a script that sets
+``group["lr"] = 0.002`` gets that value copied into the LR tensor by the graphed step
+(``GraphSafeOptimizer.sync_lr``), which the captured update reads. The eager reference must step
+on the tensor too: with the float, capturable AdamW's ``_foreach_div_(bias_correction1, lr)``
+takes CUDA's scalar overload, which multiplies by the reciprocal (``scalar_reciprocal`` in
+ATen's ForeachBinaryOpScalar.cu, since pytorch#128433), while the tensor overload divides, and
+the updates differ in the last bit from the first window after the LR was set. (On the CPU both
+overloads divide, which is why the CPU counterpart never saw it.) The float-vs-tensor difference
+is the one ``report().optimizer_changes`` measures as ``lr on device``."""
 
 from __future__ import annotations
 
@@ -36,8 +46,8 @@ def _run(name: str, graph: str, *, n: int, habit: str, **options):
     torch.manual_seed(0)
     model = build_model(name).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-    if graph == "never":
-        make_graph_safe(opt, torch.device("cuda"))  # the same arithmetic as the graphed run
+    # the same arithmetic as the graphed run: capturable, and the LR read from a device tensor
+    plan = make_graph_safe(opt, torch.device("cuda")) if graph == "never" else None
     step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph=graph, **options)
     calls = options.get("accumulate_calls", 1)
     probe = _batches(name, 1, 8)[0][0]
@@ -55,6 +65,8 @@ def _run(name: str, graph: str, *, n: int, habit: str, **options):
             if habit == "defer" and (i + 1) % calls == 0:
                 for group in opt.param_groups:
                     group["lr"] = 1e-3 * (1 + i % 5)  # after the micro-steps: this step's
+                if plan is not None:
+                    plan.sync_lr()  # what the graphed step does with the float (see the module)
                 step.update()
             if step.grad_norm is not None:
                 norms.append(step.grad_norm.clone())

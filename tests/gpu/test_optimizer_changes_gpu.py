@@ -59,13 +59,16 @@ def _difference(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+# each optimizer with the setting TrainStep changes (None: kept as built) and whether that change
+# must be listed: fused SGD's difference from foreach SGD depends on the data (0 to 3e-8 on the
+# CPU), so the report may or may not list it
 OPTIMIZERS = {
     "adamw-foreach": (
         lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01),
         "capturable=True",
     ),
     "adam-for-loop": (lambda p: torch.optim.Adam(p, lr=1e-3, foreach=False), "capturable=True"),
-    "sgd-momentum": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), "fused=True"),
+    "sgd-momentum": (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), None),
     "adamw-fused": (lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True), None),
     "adamw-capturable": (lambda p: torch.optim.AdamW(p, lr=1e-3, capturable=True), None),
 }
@@ -73,21 +76,22 @@ OPTIMIZERS = {
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_the_graphed_run_vs_the_scripts_own_optimizer_is_what_the_report_says(rt, name):
+    """The report lists only changes measured to make a difference (issue 42, item 5): an empty
+    list promises the script's own numbers bit for bit, which the run must then give."""
     make, change = OPTIMIZERS[name]
     theirs = _scripts_own(make)
     ours, report = _graphed(make)
     difference = _difference(ours, theirs)
     print(f"\n{name}: max |Δparam| vs the script's own after {STEPS} steps = {difference:.3g}")
-    print("\n".join(report.optimizer_changes))
+    print("\n".join(report.optimizer_changes) or "(no change listed)")
     assert report.mode == "graphed" and report.replays == STEPS - 12
     listed = [line.split(" (")[0] for line in report.optimizer_changes]
-    if change is None:
-        assert "capturable=True" not in listed and "fused=True" not in listed  # kept as built
-    else:
+    assert all("max |Δparam|" in line for line in report.optimizer_changes)  # none measured 0
+    if change is not None:
         assert change in listed
-    assert "lr on device" in listed  # every graphed optimizer reads its LR from a tensor
-    bitwise = all("bitwise the same" in line for line in report.optimizer_changes)
-    if bitwise:
-        assert difference == 0, "the report says bitwise: the run must be"
+    if name == "adamw-fused":  # measured on the H200 at d225bea: bitwise the script's own
+        assert listed == [] and difference == 0
+    if not listed:
+        assert difference == 0, "the report lists no change: the run must be the script's own"
     else:
         assert difference < 1e-3  # last-bit rounding that grows with training, nothing more

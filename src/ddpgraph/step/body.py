@@ -103,7 +103,10 @@ class StepBody:
         of the "train" run, or on its own (role "update": the script's ``step.update()``)."""
         self.grad_norm = self.precision.update(self.optimizer, self._norm_step())
         if self.finite is not None:  # before zero_grad: it reads the window's gradients
-            self.finite.record(_grads(self.optimizer), self.grad_norm)
+            norm = self.grad_norm
+            if norm is None and self.parallel.shards_gradients:
+                norm = self.parallel.grad_norm()  # all-reduced: a shard's NaN seen by every rank
+            self.finite.record(_grads(self.optimizer), norm)
         self.parallel.after_step()
         if self.accumulate_calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window

@@ -3,17 +3,31 @@ finite, with an error naming that step, raised alike on every rank, without a ho
 
 On the device (inside the step, so inside its graph):
 
-- each micro-batch's loss enters backward multiplied by ``1 + 0 * loss``: exactly 1.0 for a
-  finite loss (the gradients are the same bits), NaN for a NaN or infinite one. A bad loss on any
-  rank so makes every gradient NaN after the gradient all-reduce, on every rank: the ranks see
-  the same gradients and so agree on the flag with no collective of the check's own.
-- at each update the first element of every gradient (DDP's all-reduced ones, or this rank's
-  FSDP2 shard) and the grad norm where one is measured are probed: ``0 * x`` sums to 0 unless one
-  is NaN or inf. The first bad update's index (1-based, counting from the loaded step count) is
-  kept in a device tensor. About ten tiny kernels per update.
+- each micro-batch's loss passes through an identity whose backward adds ``0 * loss * loss`` to
+  the gradient flowing into the loss (one ``addcmul`` kernel, none in the forward): exactly the
+  same bits for a finite loss, NaN for a NaN or infinite one. A bad loss on any rank so makes
+  every gradient NaN after the gradient all-reduce, on every rank: the ranks see the same
+  gradients and so agree on the flag with no collective of the check's own.
+- at each update one probe: torch's own inf/NaN check of GradScaler
+  (``_amp_foreach_non_finite_check_and_unscale_`` with a scale of 1, which writes every value back
+  unchanged) over the total grad norm where the step measures one (``clip_grad_norm``,
+  ``grad_norm=True``: a non-finite gradient element makes it inf or NaN), else over every
+  gradient, one multi-tensor launch per dtype (more only past torch's per-launch limits of
+  tensors and blocks). Its flag stays set once set; one more kernel adds ``[1, flag]`` to the
+  device counts ``[updates, updates since the first bad one]``, from which the host names the
+  first bad update (1-based, counting from the loaded step count). Two kernels per update on a
+  small model, and one in the backward for the seed, where the old check (three kernels and a
+  backward one for the seed, a cat of every gradient's first element, then seven scalar kernels)
+  took about fourteen; ``benchmarks/finite_check_cost.py`` measures the cost per replayed
+  step (not yet run on a GPU for this probe).
+- FSDP2 keeps only its shard of each gradient on a rank, so a NaN in one element is seen by one
+  rank alone: there the probe reads the all-reduced total norm (the clipping's, or
+  :meth:`~ddpgraph.step.parallel.DataParallel.grad_norm` computed for the check), which every
+  rank sees alike. (A finite gradient whose squares overflow float32, above about 1e19, also makes
+  that norm inf: the check then stops a run that has diverged all the same.)
 
-On the host, after each call: on the CPU the flag is read at once (there is no device to wait
-for). On CUDA one copy of the flag to pinned memory is queued with an event; a later call reads
+On the host, after each call: on the CPU the counts are read at once (there is no device to wait
+for). On CUDA one copy of the counts to pinned memory is queued with an event; a later call reads
 it only once ``event.query()`` says the copy is done (it never waits), so the error comes a call
 or two after the bad step and names the step itself.
 """
@@ -21,6 +35,7 @@ or two after the bad step and names the step itself.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 
@@ -31,33 +46,36 @@ __all__ = ["FiniteCheck"]
 
 
 class FiniteCheck:
-    """The device flag of the first non-finite update, and its non-blocking read-back."""
+    """The device counts of updates and bad updates, and their non-blocking read-back."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._updates = torch.zeros((), dtype=torch.int64, device=device)
-        self._first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0: none yet
+        # [1, flag]: added to the counts at each update; the flag is the check's found_inf,
+        # set to 1 by the first non-finite probe and never reset (until a checkpoint is loaded)
+        self._increment = torch.tensor([1.0, 0.0], device=device)
+        self._found = self._increment[1:]
+        self._one = torch.ones((), device=device)  # the "scale" the check divides by
+        # [updates, updates since the first bad one (itself included)]; float64: exact counts
+        self._counts = torch.zeros(2, dtype=torch.float64, device=device)
         cuda = device.type == "cuda"
-        self._host = torch.zeros((), dtype=torch.int64, pin_memory=cuda)
+        self._host = torch.zeros(2, dtype=torch.float64, pin_memory=cuda)
         self._event = cuda_event() if cuda else None
-        self._pending = False  # a copy of the flag to ``_host`` is queued, not yet read
+        self._pending = False  # a copy of the counts to ``_host`` is queued, not yet read
         self._error: NonFiniteError | None = None
 
     # ------------------------------------------------------------------ device side
     def seed(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` with a backward seed that is NaN when the loss is not finite (1.0 else)."""
-        return loss * (loss.detach() * 0 + 1)
+        """``loss`` as it is, whose backward makes every gradient NaN when it is not finite."""
+        return cast(torch.Tensor, _NanSeed.apply(loss))  # type: ignore[no-untyped-call]
 
     def record(self, grads: Iterable[torch.Tensor], grad_norm: torch.Tensor | None) -> None:
-        """Count one update; keep its index if its gradients (or grad norm) are not finite."""
-        probes = [_first_element(g) for g in grads]
-        if grad_norm is not None:
-            probes.append(grad_norm.detach().reshape(-1).float())
-        self._updates.add_(1)
-        if not probes:
-            return
-        bad = torch.cat(probes).mul(0).sum().isnan()  # 0 * inf and 0 * nan are nan
-        self._first_bad.add_(self._updates * (bad & self._first_bad.eq(0)))
+        """Count one update, flagging it if its total grad norm (where given: the caller passes
+        one every rank sees alike when gradients are sharded) or else any gradient element is
+        not finite."""
+        probed = [grad_norm.detach()] if grad_norm is not None else [_local(g) for g in grads]
+        for same_dtype in _by_dtype(probed):
+            torch._amp_foreach_non_finite_check_and_unscale_(same_dtype, self._found, self._one)
+        self._counts.add_(self._increment)
 
     # ------------------------------------------------------------------ host side
     def check(self, *, wait: bool = False) -> None:
@@ -66,14 +84,14 @@ class FiniteCheck:
         if self._error is not None:
             raise self._error
         if self._event is None or wait:
-            self._raise_if(int(self._first_bad))
+            self._raise_if(self._counts.tolist())
             return
         if self._pending:
             if not self._event.query():  # type: ignore[no-untyped-call]
                 return  # the device is still behind: look again at a later call
             self._pending = False
-            self._raise_if(int(self._host))
-        self._host.copy_(self._first_bad, non_blocking=True)
+            self._raise_if(self._host.tolist())
+        self._host.copy_(self._counts, non_blocking=True)
         self._event.record()
         self._pending = True
 
@@ -81,13 +99,16 @@ class FiniteCheck:
         """A checkpoint was loaded: count on from its ``updates``, with no bad step recorded."""
         if self._event is not None:
             self._event.synchronize()  # no copy into ``_host`` may still be in flight
-        self._updates.fill_(updates)
-        self._first_bad.zero_()
+        self._counts[0].fill_(updates)
+        self._counts[1].zero_()
+        self._found.zero_()
         self._pending = False
         self._error = None
 
-    def _raise_if(self, step: int) -> None:
-        if step > 0:
+    def _raise_if(self, counts: list[float]) -> None:
+        updates, bad = (int(c) for c in counts)
+        if bad > 0:
+            step = updates - bad + 1  # the first flagged update, 1-based
             self._error = NonFiniteError(
                 f"training diverged: the loss or the gradients were not finite (NaN or inf) at "
                 f"step {step}, on at least one rank. Lower the learning rate, clip the gradients "
@@ -99,7 +120,32 @@ class FiniteCheck:
             raise self._error
 
 
-def _first_element(grad: torch.Tensor) -> torch.Tensor:
-    """The gradient's first local element (none for an empty FSDP2 shard), as float32."""
-    local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's own shard
-    return local.detach().reshape(-1)[:1].float()
+class _NanSeed(torch.autograd.Function):
+    """Identity in the forward (a view: no kernel); the backward passes the gradient on as
+    ``grad + 0 * loss * loss`` (one kernel): the same bits when the loss is finite (the
+    gradient reaching a loss is never -0.0, the one value ``+ 0`` would change), NaN when it is
+    NaN or infinite (``0 * inf`` is NaN)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (loss,) = ctx.saved_tensors
+        return torch.addcmul(grad, loss, loss, value=0)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient's values on this rank (a DTensor's own shard)."""
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    return local.detach()
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by dtype (as GradScaler groups them): one check kernel per group."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    return list(groups.values())

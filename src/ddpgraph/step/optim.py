@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
 from ..errors import CaptureError
-from .optim_diff import describe_changes, step_options
+from .optim_diff import LR_CHANGE, describe_changes, step_options
 
 __all__ = [
     "GraphSafeOptimizer",
@@ -43,7 +43,7 @@ class GraphSafeOptimizer:
     optimizer: torch.optim.Optimizer
     changes: list[str]
     lr_tensors: list[torch.Tensor]
-    # each change with the measured size of the difference (report().optimizer_changes)
+    # each change that changes the numbers, with its measured size (report().optimizer_changes)
     described: list[str] = field(default_factory=list)
 
     def sync_lr(self) -> None:
@@ -82,8 +82,9 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
             if "fused=True" not in changes:
                 changes.append("fused=True")
     _move_step_counters(optimizer, device)
+    if not all(_is_lr_tensor(group["lr"], device) for group in optimizer.param_groups):
+        changes.append(LR_CHANGE)  # a script that gave a device tensor LR keeps it
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
-    changes.append("lr on device")
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
 
 
@@ -114,7 +115,7 @@ def plan_graph_safety(
     fp16 inside a graph also needs a fused kernel that skips an overflowed step on the device
     (Adam/AdamW/SGD are switched to it). Each change is measured against the script's settings
     (:func:`~.optim_diff.describe_changes`): ``plan.described``, the report's
-    ``optimizer_changes``.
+    ``optimizer_changes``, lists those that change the numbers (``plan.changes`` every one).
     """
     problem = graph_safety_problem(optimizer)
     if problem is None and fp16:
@@ -154,9 +155,13 @@ def _move_step_counters(optimizer: torch.optim.Optimizer, device: torch.device) 
             state["step"] = step.to(device=device, dtype=torch.float32)
 
 
+def _is_lr_tensor(lr: object, device: torch.device) -> TypeGuard[torch.Tensor]:
+    return isinstance(lr, torch.Tensor) and lr.device == device and lr.dim() == 0
+
+
 def _lr_tensor(group: dict[str, Any], device: torch.device) -> torch.Tensor:
     lr = group["lr"]
-    if isinstance(lr, torch.Tensor) and lr.device == device and lr.dim() == 0:
+    if _is_lr_tensor(lr, device):
         return lr
     tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
     group["lr"] = tensor

@@ -40,7 +40,8 @@ class StepReport:
     eval_replays: int = 0
     captures: list[CaptureRecord] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)
-    # each change made to the script's optimizer (graph safety) with its measured difference
+    # each change made to the script's optimizer (graph safety) that changes its numbers, with
+    # the measured size; a change measured at 0 is not listed (optim_diff's docstring says why)
     optimizer_changes: list[str] = field(default_factory=list)
     recaptures: list[str] = field(default_factory=list)  # why training graphs were re-captured
     steps_per_replay: int = 1  # training steps in one replay (step(data) with steps_per_replay)

@@ -26,6 +26,9 @@ class DataParallel:
     inner: nn.Module
     # DDP's runtime-logging sample rate: the warm-up rule of ddpgraph.facts reads it
     sample_rate: int = DDP_STATS_SAMPLE_RATE
+    # each rank holds only its shard of every gradient (FSDP2): what one rank finds in its own
+    # gradients (check_finite's NaN) the others do not see; the all-reduced norm they all do
+    shards_gradients: bool = False
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The script built ``optimizer`` over the module's parameters; a wrapper that replaced

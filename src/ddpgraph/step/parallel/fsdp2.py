@@ -69,6 +69,8 @@ class FSDP2(DataParallel):
       at its end, so every graph starts from the sharded state.
     """
 
+    shards_gradients = True  # each rank reduce-scatters into its own shard
+
     def __init__(
         self,
         module: nn.Module,
