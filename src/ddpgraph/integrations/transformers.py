@@ -250,6 +250,11 @@ class GraphTrainer(transformers.Trainer):
             syncs.append("include_num_input_tokens_seen: a gather and .item() per micro-batch")
         if self.args.eval_strategy != "no":
             syncs.append("evaluation: the Trainer's eager evaluation loop")
+        if self._reports_skips and self._amp() == "fp16":
+            syncs.append(
+                "fp16 with a non-fused optimizer: found_inf .item() per update (whether the "
+                "Trainer steps its LR scheduler, as GradScaler reads it in the Trainer's run)"
+            )
         step = None if self.train_step is None else self.train_step.report()
         return TrainerReport(step, syncs)
 
