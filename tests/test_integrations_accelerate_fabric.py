@@ -114,8 +114,10 @@ def test_fp16_overflow_holds_back_a_prepared_scheduler_and_save_state_keeps_the_
     tmp_path,
 ):
     """The mechanism from_accelerator attaches (on the CPU, with the step's own fp16): a
-    skipped update holds the prepared scheduler back, as Accelerate's AcceleratedScheduler does
-    for its own optimizers; save_state / load_state carry model, optimizer and loss scale."""
+    skipped update of a non-fused AdamW holds the prepared scheduler back, as Accelerate's
+    AcceleratedScheduler does for its own (GradScaler skipped the optimizer's step; a fused
+    one's schedule advances: tests/test_integrations_fp16_skips.py); save_state / load_state
+    carry model, optimizer and loss scale."""
     accelerate = pytest.importorskip("accelerate")
     accelerator, step, scheduler = _accelerated_step(accelerate, amp="fp16")
     x, y = torch.randn(8, 4), torch.randn(8, 2)

@@ -15,6 +15,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# Accelerate's process-wide state (an earlier test's mixed_precision) is reset after every test
+# by tests/conftest.py, for these tests and the CPU ones alike.
+
+
 @pytest.fixture
 def rt():
     """A single-process NCCL group (world size 1), so TrainStep wraps the model in DDP."""

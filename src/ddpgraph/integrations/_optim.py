@@ -6,7 +6,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["OptimizerView"]
+__all__ = ["OptimizerView", "scaler_reports_skips"]
+
+
+def scaler_reports_skips(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether Accelerate reports an fp16 update of ``optimizer`` that overflowed as skipped,
+    so that its loop (``Trainer``, ``AcceleratedScheduler``) holds the LR scheduler back.
+
+    ``AcceleratedOptimizer.step`` (accelerate 0.22 to 1.16) reports a skip when
+    ``torch.amp.GradScaler.step`` did not call ``optimizer.step()``. GradScaler calls it on every
+    update for an optimizer with ``_step_supports_amp_scaling`` (fused Adam, AdamW, SGD,
+    Adagrad: the kernel skips on the device) and only for finite gradients otherwise. So with a
+    fused optimizer (the Trainer's default ``adamw_torch_fused`` on torch >= 2.8) no update is
+    ever reported skipped and the schedule advances through overflows. Ask this of the
+    optimizer as the script built it (TrainStep switches fp16 optimizers to fused kernels)."""
+    return not getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
 class OptimizerView(torch.optim.Optimizer):

@@ -13,8 +13,10 @@ followed, as a prepared model and optimizer would:
 * ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model and optimizer
   in Accelerate's own files and keys, loaded in place so the graphs stay
   valid; with fp16 the loss scale too (one more registered object).
-* fp16: a prepared scheduler is held back after an update skipped for inf/NaN gradients
-  (``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``).
+* fp16: an update skipped for inf/NaN gradients counts as skipped where Accelerate's own run
+  says so (``optimizer.step_was_skipped``, ``accelerator.optimizer_step_was_skipped``; a
+  prepared scheduler is then held back): for an optimizer whose step GradScaler skips, not for a
+  fused one (``fused=True``), whose step GradScaler always calls and whose scheduler advances.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..step.optim import restore_identities, tensor_slots
-from ._optim import OptimizerView
+from ._optim import OptimizerView, scaler_reports_skips
 
 __all__ = ["accelerator_options", "amp_of", "attach"]
 
@@ -120,15 +122,20 @@ def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
 class StepOptimizer(OptimizerView):
     """The TrainStep's optimizer as Accelerate's prepared optimizers look to Accelerate:
     ``step`` / ``zero_grad`` do nothing (the graph updates), ``load_state_dict`` loads in place
-    (a captured graph keeps its tensors), ``step_was_skipped`` reads fp16's overflow flag."""
+    (a captured graph keeps its tensors), ``step_was_skipped`` says what Accelerate's
+    ``AcceleratedOptimizer`` would say of the same update."""
 
     def __init__(self, step: Any) -> None:
         super().__init__(step.optimizer, own_lr=False)
         self.train_step = step
+        # the script's optimizer decides (TrainStep's switch to a fused fp16 kernel sets only
+        # the param groups' "fused", not _step_supports_amp_scaling)
+        self.reports_skips = scaler_reports_skips(step.optimizer)
 
     @property
     def step_was_skipped(self) -> bool:
-        return bool(self.train_step.update_skipped)
+        """fp16: the latest update overflowed and Accelerate would report it (a host read)."""
+        return self.reports_skips and bool(self.train_step.update_skipped)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         kept = tensor_slots(self.optimizer)

@@ -17,6 +17,10 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 * ``logging_nan_inf_filter`` is applied on the device (``torch.where``) instead of the
   Trainer's ``isnan(loss) or isinf(loss)``, a host sync per micro-batch.
 * The grad norm the Trainer logs is ``step.grad_norm`` (measured inside the graph).
+* fp16: an overflowed update is skipped on the device, and the Trainer's LR scheduler advances
+  or waits as in its own run: Accelerate reports a skip (the Trainer then holds the scheduler
+  back) only for an optimizer whose step GradScaler skips, never for a fused one such as the
+  default ``adamw_torch_fused``, whose schedule advances through overflows.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigError
 from ..step import StepReport, TrainStep
-from ._optim import OptimizerView
+from ._optim import OptimizerView, scaler_reports_skips
 
 if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(
@@ -130,6 +134,7 @@ class GraphTrainer(transformers.Trainer):
         self._view: OptimizerView | None = None
         self._filter_nan_inf = False
         self._accelerated_optimizer: Any = None
+        self._reports_skips = False  # Accelerate's verdict for this optimizer: see create_scheduler
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that lists another Trainer before GraphTrainer (``class T(SFTTrainer,
@@ -186,6 +191,8 @@ class GraphTrainer(transformers.Trainer):
         if type(self.optimizer).__name__ == "AcceleratedOptimizer":
             self._accelerated_optimizer = self.optimizer  # its step_was_skipped: fp16
         real = _real_optimizer(self.optimizer)
+        # asked before the TrainStep exists: it switches an fp16 optimizer to a fused kernel
+        self._reports_skips = scaler_reports_skips(real)
         if self._view is None or self._view.optimizer is not real:
             self._view = OptimizerView(real, own_lr=True)
         self.optimizer = self._view
@@ -216,10 +223,9 @@ class GraphTrainer(transformers.Trainer):
         self._view.push_lr()  # the LR the scheduler set since the last update
         # the Trainer sets sync_gradients on the window's last micro-batch (the epoch's end too)
         ends = bool(self.accelerator.sync_gradients)
-        scale_before = self._loss_scale() if ends else None
         loss = step(batch, last=ends)
-        if scale_before is not None:
-            self._hold_back_scheduler_after_overflow(scale_before)
+        if ends:
+            self._report_skipped_update(step)
         if self._filter_nan_inf:
             # the Trainer's filter, on the device: a non-finite loss counts as the mean so far
             mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
@@ -244,6 +250,11 @@ class GraphTrainer(transformers.Trainer):
             syncs.append("include_num_input_tokens_seen: a gather and .item() per micro-batch")
         if self.args.eval_strategy != "no":
             syncs.append("evaluation: the Trainer's eager evaluation loop")
+        if self._reports_skips and self._amp() == "fp16":
+            syncs.append(
+                "fp16 with a non-fused optimizer: found_inf .item() per update (whether the "
+                "Trainer steps its LR scheduler, as GradScaler reads it in the Trainer's run)"
+            )
         step = None if self.train_step is None else self.train_step.report()
         return TrainerReport(step, syncs)
 
@@ -320,17 +331,15 @@ class GraphTrainer(transformers.Trainer):
         finally:
             plugin.backend = backend
 
-    def _loss_scale(self) -> float | None:
-        scale = None if self.train_step is None else self.train_step.loss_scale
-        return None if scale is None else float(scale)  # fp16 only: a host read per update
-
-    def _hold_back_scheduler_after_overflow(self, before: float) -> None:
-        """fp16: an overflowed update was skipped on the device; tell the Trainer as Accelerate
-        does (the scale went down), so it holds the LR scheduler back as in its own run."""
-        after = self._loss_scale()
+    def _report_skipped_update(self, step: TrainStep) -> None:
+        """fp16: tell the Trainer whether this update counts as skipped where Accelerate would
+        say so in the Trainer's own run (``AcceleratedOptimizer.step_was_skipped``, which the
+        Trainer reads before stepping the LR scheduler): only for an optimizer whose step
+        GradScaler skips, never for a fused one (:func:`scaler_reports_skips`)."""
         accelerated = self._accelerated_optimizer
-        if accelerated is not None and after is not None:
-            accelerated._is_overflow = after < before
+        if accelerated is None or step.loss_scale is None or not self._reports_skips:
+            return
+        accelerated._is_overflow = step.update_skipped  # a host read, as GradScaler's own
 
     def _loss_scaled_for_ga(self, num_items: Any) -> bool:
         """The Trainer's rule (``training_step``): a loss normalised by ``num_items_in_batch``
