@@ -337,3 +337,24 @@ def fabric_eval(variant: str) -> dict[str, Any]:
 
 def fabric_eval_rows() -> dict[str, dict[str, Any]]:
     return {v: outcome(fabric_eval, v) for v in VARIANTS}
+
+
+def fabric_script_steps() -> None:
+    """A Fabric port that kept its ``if not is_accumulating: optimizer.step()``."""
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from .framework_workers import classes
+
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric.launch()
+    loader = fabric.setup_dataloaders(DataLoader(classes(32), batch_size=4))
+    model = bn_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = TrainStep.from_fabric(
+        fabric, model, optimizer, nn.CrossEntropyLoss(), accumulate_calls=2, graph="never"
+    )
+    for i, (x, y) in enumerate(loader):
+        step(x, y)
+        if i % 2 == 1:
+            optimizer.step()  # the line the port forgot to remove

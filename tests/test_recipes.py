@@ -90,6 +90,19 @@ def test_what_the_step_cannot_follow_is_refused_on_every_rank_naming_the_line(ca
     assert_same_error_everywhere(results, ConfigError, says, "recipe_workers.py:", line)
 
 
+def test_a_fabric_ports_own_optimizer_step_is_refused_on_every_rank_naming_the_line():
+    pytest.importorskip("lightning")
+    from ddpgraph.errors import ConfigError
+
+    from .test_objects import assert_same_error_everywhere
+
+    results = run_distributed(workers.fabric_script_steps, 2, timeout=RUN_S, return_exceptions=True)
+    assert_same_error_everywhere(
+        results, ConfigError, "the script calls optimizer.step() itself, at",
+        "from_fabric", "recipe_workers.py:", "optimizer.step()  #",
+    )  # fmt: skip
+
+
 def test_accumulate_calls_with_accelerates_own_accumulation_is_refused():
     accelerate = pytest.importorskip("accelerate")
     from ddpgraph import TrainStep

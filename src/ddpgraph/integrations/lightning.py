@@ -115,30 +115,20 @@ class GraphStrategy(DDPStrategy):
             return {**output, "loss": loss}
         return loss
 
-    # Lightning's DDPStrategy sends validation, test and predict steps through its DDP
-    # (_forward_redirection), whose forward starts with rank 0's buffers after a training step:
-    # so do these, through the TrainStep's DDP, once it exists
+    # Lightning's DDPStrategy wraps the module in DDP while fitting only, and sends the
+    # validation steps of a fit through it (_forward_redirection), whose forward starts with
+    # rank 0's buffers after a training step: so do these, through the TrainStep's DDP
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context():
-            return self._outside_training("validation_step", args, kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context():
-            return self._outside_training("test_step", args, kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._outside_training("predict_step", args, kwargs)
-
-    def _outside_training(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         module = self._module()
-        if self.train_step is None or self._loss is None:  # before the first training step
-            return getattr(module, name)(*args, **kwargs)
-        self._loss.redirect = name
-        try:
-            return self.train_step.model(*args, **kwargs)
-        finally:
-            self._loss.redirect = None
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        with self.precision_plugin.val_step_context():
+            if not fitting or self.train_step is None or self._loss is None:
+                return module.validation_step(*args, **kwargs)  # no DDP there either
+            self._loss.redirect = "validation_step"
+            try:
+                return self.train_step.model(*args, **kwargs)
+            finally:
+                self._loss.redirect = None
 
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # inside the TrainStep
@@ -226,7 +216,7 @@ class _LightningLoss(nn.Module):
         self.module = module
         self._leaves: list[Any] = []
         self._spec: Any = None
-        self.redirect: str | None = None  # a validation/test/predict step sent through the DDP
+        self.redirect: str | None = None  # a validation step sent through the DDP
 
     def bind(self, leaves: list[Any], spec: Any) -> None:
         """The call's non-tensor arguments (``batch_idx``) and its structure; a graph keeps the

@@ -137,7 +137,8 @@ class CapturePolicy:
         loss = self._train(batch, self._modes())
         self.window.end(role)
         # as DDP's post-forward sets require_forward_param_sync (an attribute: no call here)
-        self.parallel.buffers_due = role in ("train", "sync") or self.body.sync_every_call
+        body = self.body
+        body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
         self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return loss
 
