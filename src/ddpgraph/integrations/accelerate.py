@@ -147,7 +147,10 @@ class AccumulateBlocks:
         self.state = accelerator.gradient_state
         self.steps = accelerator.gradient_accumulation_steps
         self.blocks = 0  # accumulate() blocks entered since the step was built
-        do_sync = accelerator._do_sync
+        do_sync = getattr(accelerator, "_do_sync", None)  # private: accelerate 1.x's
+        if do_sync is None:  # another accelerate: sync_gradients alone, unchecked
+            self.blocks = 1
+            return
 
         def counted() -> None:
             self.blocks += 1
