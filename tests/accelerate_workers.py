@@ -52,7 +52,6 @@ ROWS: dict[str, dict[str, Any]] = {
         "from_framework": True,
     },
     "clip_on_sync_gradients": {"loop": {"k": 2, "clip": 0.05}},
-    "no_accumulate_context_steps_every_call": {"loop": {"k": 2, "accumulate": False}},
 }
 
 
@@ -84,13 +83,10 @@ def _row(variant: str, row: dict[str, Any], tmp: str) -> dict[str, Any]:
 
 
 def habits_loop(
-    ported: bool, options: dict[str, Any], k: int, clip: float | None = None,
-    accumulate: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+    ported: bool, options: dict[str, Any], k: int, clip: float | None = None
+) -> dict[str, Any]:
     """Accelerate's documented accumulation loop (accumulate(), backward, clip_grad_norm_ when
     sync_gradients, step, a prepared scheduler): 13 batches a rank."""
-    import contextlib
-
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -114,8 +110,7 @@ def habits_loop(
     losses, norms, lrs = [], [], []
     for _ in range(3):
         for x, y in loader:
-            context = accelerator.accumulate(model) if accumulate else contextlib.nullcontext()
-            with context:
+            with accelerator.accumulate(model):
                 if ported:
                     loss = step(x, y)
                     norm = step.grad_norm

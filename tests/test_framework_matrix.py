@@ -35,7 +35,7 @@ ACCELERATE_EXAMPLES = [
 ]  # fmt: skip
 ACCELERATE_EQUAL = [
     "bf16", "fp16_on_cpu_trains_fp32_as_accelerate", "port_resumes_accelerates_own_checkpoint",
-    "clip_on_sync_gradients", "no_accumulate_context_steps_every_call",
+    "clip_on_sync_gradients",
 ]  # fmt: skip
 FABRIC_EQUAL = [
     "image_classifier_example", "accumulate_epoch_tail", "accumulate_k3_clip_scheduler",

@@ -148,6 +148,7 @@ def test_state_dict_round_trip_resumes_exactly():
         ({"warmup": 0}, "warmup=0 must be an integer >= 1"),
         ({"warmup": True}, "warmup=True must be an integer >= 1"),
         ({"channels_last": "yes"}, "channels_last='yes' must be True or False"),
+        ({"sync_every_call": 1}, "sync_every_call=1 must be True or False"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, message):

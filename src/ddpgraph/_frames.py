@@ -8,12 +8,13 @@ directories (by path, not by a ``"/torch/"`` substring: a virtual environment ca
 
 from __future__ import annotations
 
+import linecache
 import os
 import sys
 from collections.abc import Callable, Collection
 from types import FrameType
 
-__all__ = ["PACKAGE_DIR", "frame_outside", "in_directories", "in_modules"]
+__all__ = ["PACKAGE_DIR", "frame_outside", "in_directories", "in_modules", "line_outside"]
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -43,3 +44,11 @@ def in_directories(*paths: str) -> Inside:
     """Inside: a frame of a file whose absolute path starts with one of ``paths`` (a directory
     ending in ``os.sep``, such as :data:`PACKAGE_DIR`, or a file)."""
     return lambda frame: os.path.abspath(frame.f_code.co_filename).startswith(paths)
+
+
+def line_outside(*paths: str) -> str:
+    """``file:line `source``` of the innermost frame, from the caller out, outside the
+    directories ``paths``: the line a message tells the user to change."""
+    frame, _ = frame_outside(in_directories(*paths))
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} `{line}`"

@@ -208,6 +208,7 @@ def main_worker(gpu, ngpus_per_node, args):
     """Sets the learning rate to the initial LR decayed by 10 every 30 epochs"""
     scheduler = StepLR(optimizer, step_size=30, gamma=0.1)
     step = ddpgraph.TrainStep(model, optimizer, criterion, scheduler=scheduler) # DDP inside, one CUDA graph
+    model = step.model # the DDP: validate() gets rank 0's buffers, checkpoints the original's keys
     
     # optionally resume from a checkpoint
     if args.resume:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["OptimizerView", "scaler_reports_skips"]
+from .._frames import PACKAGE_DIR, in_directories, line_outside
+from ..errors import ConfigError
+
+__all__ = ["OptimizerView", "refuse_script_steps", "scaler_reports_skips"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def scaler_reports_skips(optimizer: torch.optim.Optimizer) -> bool:
@@ -83,3 +90,31 @@ class OptimizerView(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"OptimizerView({self.optimizer!r})"
+
+
+def refuse_script_steps(optimizer: torch.optim.Optimizer, owner: str) -> None:
+    """Make the script's own ``optimizer.step()`` on ``optimizer`` raise, naming its line: the
+    TrainStep updates inside its step, so a call left in the loop would update twice (and one
+    kept on some calls only would not be the window the step keeps). A step pre-hook: it runs
+    where Python calls ``step()`` (eager and capturing steps, the script), never on a replay."""
+
+    def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not _called_by_ddpgraph():
+            raise ConfigError(
+                f"the script calls optimizer.step() itself, at {line_outside(_TORCH_DIR, PACKAGE_DIR)}"
+                f", but {owner} updates this optimizer inside each step call (the window's last "
+                "with accumulate_calls): remove that line and its optimizer.zero_grad(); where it "
+                "was conditional (`if step % k == 0 or last:`), pass accumulate_calls=k and "
+                "step(..., last=<that condition>)."
+            )
+
+    optimizer.register_step_pre_hook(pre_hook)
+
+
+def _called_by_ddpgraph() -> bool:
+    """Whether the first caller outside torch (the optimizer's step wrapper) is ddpgraph's."""
+    frame = sys._getframe(2)  # above the pre-hook: torch's step wrapper
+    in_torch = in_directories(_TORCH_DIR)
+    while frame.f_back is not None and in_torch(frame):
+        frame = frame.f_back
+    return in_directories(PACKAGE_DIR)(frame)

@@ -9,7 +9,15 @@ followed, as a prepared model and optimizer would:
 * A loop keeps ``with accelerator.accumulate(model):``; each step call syncs and steps the
   optimizer where Accelerate's ``sync_gradients`` is True: every ``gradient_accumulation_steps``
   calls, and at the end of the data (``sync_with_dataloader``: the epoch's leftover micro-batches
-  step, as Accelerate's do). A prepared scheduler steps on those calls only, as before.
+  step, as Accelerate's do). A prepared scheduler steps on those calls only, as before. A step
+  called outside any ``accumulate()`` block while ``gradient_accumulation_steps > 1`` is refused
+  naming the line (Accelerate would step on every call with the loss divided).
+* A script that accumulates by hand on a plain ``Accelerator()`` (``if step % k == 0 or last:
+  optimizer.step()``, as transformers' ``run_glue_no_trainer.py``) passes ``accumulate_calls=k``
+  and ``last=`` its own condition; its micro-batches sync their gradients as the script's
+  prepared DDP did (``sync_every_call``), so the run is the script's bit for bit.
+* The script's own ``optimizer.step()`` left in the loop is refused naming its line: the
+  update runs inside the step.
 * ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model and optimizer
   in Accelerate's own files and keys, loaded in place so the graphs stay
   valid; with fp16 the loss scale too (one more registered object).
@@ -25,9 +33,10 @@ from typing import Any
 
 from torch import nn
 
+from .._frames import PACKAGE_DIR, line_outside
 from ..errors import ConfigError
 from ..step.optim import restore_identities, tensor_slots
-from ._optim import OptimizerView, scaler_reports_skips
+from ._optim import OptimizerView, refuse_script_steps, scaler_reports_skips
 
 __all__ = ["accelerator_options", "amp_of", "attach"]
 
@@ -40,7 +49,9 @@ def accelerator_options(
 ) -> dict[str, Any]:
     """``TrainStep.from_accelerator``'s work: the TrainStep options ``accelerator`` says: ``mixed_precision`` as ``amp``,
     ``gradient_accumulation_steps`` as ``accumulate_calls``, its ``DistributedDataParallelKwargs``
-    as ``ddp_kwargs``, the model moved to ``accelerator.device``.
+    as ``ddp_kwargs``, the model moved to ``accelerator.device``. Where the Accelerator does not
+    accumulate (``gradient_accumulation_steps`` 1), ``accumulate_calls=k`` is the script's own
+    accumulation, with ``sync_every_call=True`` unless given.
 
     Pass the model and optimizer as built, not prepared (prepare the data loader and the
     scheduler only). Call on every rank.
@@ -52,24 +63,30 @@ def accelerator_options(
             f"TrainStep.from_accelerator runs data-parallel training with DDP, but the "
             f"Accelerator is set up for {kind}; use accelerate's DDP (multi-GPU) configuration."
         )
-    for name in ("amp", "accumulate_calls"):
-        if name in options:
-            raise ConfigError(
-                f"TrainStep.from_accelerator(..., {name}=...) is set by the Accelerator "
-                "(mixed_precision, gradient_accumulation_steps); set it there."
-            )
+    if "amp" in options:
+        raise ConfigError(
+            "TrainStep.from_accelerator(..., amp=...) is set by the Accelerator "
+            "(mixed_precision); set it there."
+        )
+    k = accelerator.gradient_accumulation_steps
+    if "accumulate_calls" in options and k != 1:
+        raise ConfigError(
+            f"TrainStep.from_accelerator(..., accumulate_calls={options['accumulate_calls']!r}) "
+            f"with Accelerator(gradient_accumulation_steps={k}): Accelerate owns the "
+            "accumulation; drop accumulate_calls (the step follows accelerator.accumulate()), or "
+            "keep the script's own accumulation with Accelerator(gradient_accumulation_steps=1), "
+            "accumulate_calls=k and step(batch, last=<the script's optimizer.step() condition>)."
+        )
+    # the script's own accumulation on a prepared DDP that never entered no_sync: every
+    # micro-batch's backward synced its gradients, and so do the step's
+    by_hand = {"sync_every_call": True} if options.get("accumulate_calls", 1) > 1 else {}
     handler = getattr(accelerator, "ddp_handler", None)
     ddp_kwargs = dict(handler.to_kwargs()) if handler is not None else {}
     ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
     model.to(accelerator.device)
     # where Accelerate itself does not autocast (fp16 on a CPU: no native AMP), neither do we
     amp = amp_of(accelerator.mixed_precision) if getattr(accelerator, "native_amp", True) else None
-    return {
-        "amp": amp,
-        "accumulate_calls": accelerator.gradient_accumulation_steps,
-        "ddp_kwargs": ddp_kwargs,
-        **options,
-    }
+    return {"amp": amp, "accumulate_calls": k, "ddp_kwargs": ddp_kwargs, **by_hand, **options}
 
 
 def amp_of(mixed_precision: str) -> str | None:
@@ -109,14 +126,52 @@ def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
     ``sync_gradients``; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's
     own run saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale
     as well."""
-    state = accelerator.gradient_state
-    step.loop_syncs = lambda: bool(state.sync_gradients)
+    if accelerator.gradient_accumulation_steps > 1:
+        step.loop_syncs = AccumulateBlocks(accelerator)
+    # else: sync_gradients is True on every call; the window counts its calls (accumulate_calls
+    # the script passed) and ends at last=True
+    refuse_script_steps(step.optimizer, "the TrainStep built by from_accelerator")
     # Accelerate keeps what went through prepare() in these lists; a scheduler prepared before
     # holds the same list of optimizers and so checks this one's step_was_skipped
     accelerator._models.append(model)  # DDP's parameters are its parameters
     accelerator._optimizers.append(StepOptimizer(step))
     if step.loss_scale is not None:
         accelerator.register_for_checkpointing(_ExtraState(step))
+
+
+class AccumulateBlocks:
+    """Accelerate's ``sync_gradients`` at each step call, which must come inside an
+    ``accelerator.accumulate(model)`` block: Accelerate counts its window in those blocks
+    (``_do_sync``), and outside any it would step on every call with the loss divided by
+    ``gradient_accumulation_steps``: a script that meant to accumulate would not."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.state = accelerator.gradient_state
+        self.steps = accelerator.gradient_accumulation_steps
+        self.blocks = 0  # accumulate() blocks entered since the step was built
+        do_sync = getattr(accelerator, "_do_sync", None)  # private: accelerate 1.x's
+        if do_sync is None:  # another accelerate: sync_gradients alone, unchecked
+            self.blocks = 1
+            return
+
+        def counted() -> None:
+            self.blocks += 1
+            do_sync()
+
+        accelerator._do_sync = counted
+
+    def __call__(self) -> bool:
+        if not self.blocks:
+            raise ConfigError(
+                f"Accelerator(gradient_accumulation_steps={self.steps}), but the TrainStep was "
+                f"called outside any `with accelerator.accumulate(model):` block, at "
+                f"{line_outside(PACKAGE_DIR)}: Accelerate would step the optimizer on every call "
+                f"with the loss divided by {self.steps}. Put the call inside `with "
+                "accelerator.accumulate(model):`, or, for a loop that accumulates by hand, build "
+                "Accelerator(gradient_accumulation_steps=1) and pass accumulate_calls=k to "
+                "from_accelerator and last=<the loop's optimizer.step() condition> to the step."
+            )
+        return bool(self.state.sync_gradients)
 
 
 class StepOptimizer(OptimizerView):

@@ -115,6 +115,21 @@ class GraphStrategy(DDPStrategy):
             return {**output, "loss": loss}
         return loss
 
+    # Lightning's DDPStrategy wraps the module in DDP while fitting only, and sends the
+    # validation steps of a fit through it (_forward_redirection), whose forward starts with
+    # rank 0's buffers after a training step: so do these, through the TrainStep's DDP
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        with self.precision_plugin.val_step_context():
+            if not fitting or self.train_step is None or self._loss is None:
+                return module.validation_step(*args, **kwargs)  # no DDP there either
+            self._loss.redirect = "validation_step"
+            try:
+                return self.train_step.model(*args, **kwargs)
+            finally:
+                self._loss.redirect = None
+
     def backward(self, closure_loss: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return closure_loss  # inside the TrainStep
 
@@ -201,13 +216,16 @@ class _LightningLoss(nn.Module):
         self.module = module
         self._leaves: list[Any] = []
         self._spec: Any = None
+        self.redirect: str | None = None  # a validation step sent through the DDP
 
     def bind(self, leaves: list[Any], spec: Any) -> None:
         """The call's non-tensor arguments (``batch_idx``) and its structure; a graph keeps the
         values of its capture."""
         self._leaves, self._spec = leaves, spec
 
-    def forward(self, *tensors: torch.Tensor) -> Any:
+    def forward(self, *tensors: Any, **kwargs: Any) -> Any:
+        if self.redirect is not None:  # the step's arguments as Lightning passed them
+            return getattr(self.module, self.redirect)(*tensors, **kwargs)
         it = iter(tensors)
         leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
         args, kwargs = tree_unflatten(leaves, self._spec)

@@ -33,6 +33,8 @@ class StepBody:
     call run forward and backward without the gradient sync and the "train" call sync, clip,
     step and zero the gradients for the next window. With ``defer_update`` the window's last
     call is a "sync" (forward, backward, gradient sync) and :meth:`update` runs on its own.
+    With ``sync_every_call`` a "micro" call syncs its gradients too (and starts with rank 0's
+    buffers), as a script's DDP does when it accumulates without ``no_sync``.
     """
 
     def __init__(
@@ -50,6 +52,7 @@ class StepBody:
         self.precision = precision
         self.accumulate = options.accumulate
         self.accumulate_calls = options.accumulate_calls
+        self.sync_every_call = options.sync_every_call
         self.clip_grad_norm = options.clip_grad_norm
         self.measure_grad_norm = options.grad_norm
         self.grad_norm: torch.Tensor | None = None  # of the latest update (None: not measured)
@@ -78,11 +81,12 @@ class StepBody:
         output: Any = None
         micros = batch.split(self.accumulate)
         for i, micro in enumerate(micros):
-            sync = role in ("train", "sync") and i == len(micros) - 1
+            sync = self.syncs(role) and i == len(micros) - 1
             # DDP's semantics: rank 0's buffers at the start of a window's first forward only
             # (later ones run under no_sync, which keeps each rank's own); a window of
-            # accumulate_calls starts with the policy's sync_buffers, outside any graph
-            first = i == 0 and calls == 1
+            # accumulate_calls starts with the policy's sync_buffers, outside any graph; with
+            # sync_every_call no forward runs under no_sync, so each call starts with them
+            first = i == 0 and (calls == 1 or self.sync_every_call)
             with self.parallel.forward_context(sync_grads=sync, sync_buffers=first):
                 with self.precision.autocast():
                     loss, output = self._loss(micro)
@@ -96,6 +100,11 @@ class StepBody:
         if role == "train":
             self.update()
         return total, output
+
+    def syncs(self, role: Role) -> bool:
+        """Whether a call of ``role`` syncs its gradients (DDP's forward then counts an
+        iteration, and the next forward starts with rank 0's buffers)."""
+        return role in ("train", "sync") or self.sync_every_call
 
     def update(self) -> None:
         """The update on the gradients a window accumulated: clip or measure, the optimizer

@@ -36,7 +36,9 @@ class FromFrameworks:
         gradient_accumulation_steps as accumulate_calls), whose windows end where Accelerate's
         ``sync_gradients`` says (an epoch's leftover micro-batches step the optimizer, as
         Accelerate's do) and whose model and optimizer ``accelerator.save_state`` /
-        ``load_state`` save and load: :mod:`ddpgraph.integrations.accelerate`."""
+        ``load_state`` save and load. A loop that accumulates by hand on a plain
+        ``Accelerator()`` passes ``accumulate_calls=k`` and ``last=`` its own condition (each
+        micro-batch then syncs, as its prepared DDP did): :mod:`ddpgraph.integrations.accelerate`."""
         from ..integrations.accelerate import accelerator_options, attach
 
         step = cls(
@@ -52,9 +54,12 @@ class FromFrameworks:
     ) -> Any:  # fmt: skip
         """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp):
         :mod:`ddpgraph.integrations.fabric`."""
+        from ..integrations._optim import refuse_script_steps
         from ..integrations.fabric import fabric_options
 
-        return cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
+        step = cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
+        refuse_script_steps(optimizer, "the TrainStep built by from_fabric")
+        return step
 
     def _loop_ends_window(self, window: Window, last: bool) -> bool:
         """``last``, or where the framework's loop state says this call syncs and steps. A loop

@@ -73,6 +73,10 @@ class StepOptions:
             :class:`~ddpgraph.NonFiniteError` naming that step, raised alike on every rank (a
             call or two later on CUDA: the flag is read back without a host sync per step; at
             once on the CPU). Not with fp16, whose loss scaler skips overflowed steps by design.
+        sync_every_call: with ``accumulate_calls=k``, every call syncs its gradients (and starts
+            with rank 0's buffers), not the window's last only: what a script's DDP does when
+            the script accumulates without ``no_sync`` (``if step % k == 0: optimizer.step()``
+            on a prepared model), bit for bit; k gradient syncs per update instead of one.
     """
 
     graph: GraphMode = "auto"
@@ -90,6 +94,7 @@ class StepOptions:
     defer_update: bool = False
     parallel: ParallelMode = "auto"
     check_finite: bool = False
+    sync_every_call: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("parallel", self.parallel, PARALLEL_CHOICES)
@@ -157,6 +162,11 @@ class StepOptions:
             )
         if not isinstance(self.channels_last, bool):
             raise ConfigError(f"channels_last={self.channels_last!r} must be True or False.")
+        if not isinstance(self.sync_every_call, bool):
+            raise ConfigError(
+                f"sync_every_call={self.sync_every_call!r} must be True or False (True: every "
+                "accumulate_calls micro-batch syncs its gradients, as a script without no_sync)."
+            )
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite={self.check_finite!r} must be True or False.")
         if self.check_finite and self.amp == "fp16":

@@ -104,7 +104,6 @@ class CapturePolicy:
         self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
         self._eval_calls: Counter[GraphKey] = Counter()
         self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
-        self._eval_syncs_buffers = False  # a step since the last evaluation: broadcast first
         # what a script or framework changes in the model between calls
         self.follower = Follower(lambda: self.body.parallel, graphs, report, device, stream)
 
@@ -128,15 +127,18 @@ class CapturePolicy:
         self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
         starts = self.window.begin(batch, last, self.parallel.script_sync())
         self._follow_trainable()
-        if starts:
+        if starts and not self.body.sync_every_call:
             # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
-            # so that one "micro" graph serves every other position of the window
+            # so that one "micro" graph serves every other position of the window (with
+            # sync_every_call every call's graph starts with them)
             with on_stream(self._stream):
                 self.parallel.sync_buffers()
         role = self.window.role()
         loss = self._train(batch, self._modes())
         self.window.end(role)
-        self._eval_syncs_buffers = role in ("train", "sync")
+        # as DDP's post-forward sets require_forward_param_sync (an attribute: no call here)
+        body = self.body
+        body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
         self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return loss
 
@@ -150,7 +152,7 @@ class CapturePolicy:
     def _update(self) -> None:
         self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
         self.window.take_update()
-        self._eval_syncs_buffers = True
+        self.parallel.buffers_due = True
         key = GraphKey("update", self._modes(), NO_BATCH.signature)
         if self.phase is Phase.GRAPHED and self._update_graphed(key):
             return
@@ -351,7 +353,7 @@ class CapturePolicy:
         self.follower.settle_due = True
         device_batch = self.to_device(batch)
         result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
-        if key.role in ("train", "sync"):
+        if self.body.syncs(key.role):
             self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
         return result
 
@@ -450,7 +452,7 @@ class CapturePolicy:
                     self._sync_hint = syncs.describe()
             else:
                 loss, output = self.body.run(batch, role)
-        if role in ("train", "sync"):
+        if self.body.syncs(role):
             self.parallel.count_forwards(n)
         self._eager_before_capture = max(0, self._eager_before_capture - n)
         self.output = _detached(output)
@@ -508,10 +510,10 @@ class CapturePolicy:
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
         self.follower.before_call(training=False, graphed=self.phase is Phase.GRAPHED)
         self.window.warn_if_open("evaluate()")
-        if self._eval_syncs_buffers:
+        if self.parallel.buffers_due:
             # DDP's eval forward after a training step starts with rank 0's buffers (later ones
             # do not: its no_grad forward turns that off until the next training forward)
-            self._eval_syncs_buffers = False
+            self.parallel.buffers_due = False
             with on_stream(self._stream):
                 self.parallel.sync_buffers()
         if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):

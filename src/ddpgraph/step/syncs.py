@@ -7,7 +7,6 @@ names the line found here as the likely cause.
 
 from __future__ import annotations
 
-import linecache
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._frames import frame_outside, in_directories
+from .._frames import line_outside
 from .graphs import SKIPPED_DIRS
 
 __all__ = ["SyncReport", "record_host_syncs"]
@@ -61,6 +60,4 @@ def record_host_syncs(fn: Callable[[], Any]) -> SyncReport:
 def _user_frame() -> str:
     """The innermost stack frame outside torch and ddpgraph: the line that synced (the user's, or
     a library's such as transformers')."""
-    frame, _ = frame_outside(in_directories(*SKIPPED_DIRS))
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} `{line}`"
+    return line_outside(*SKIPPED_DIRS)

@@ -70,7 +70,8 @@ class TrainStep(FromFrameworks):
     step by ``step(data)``), ``engine`` (CUDA graphs, or ``ddpgraph.testing.CpuGraphs()``).
 
     With a process group the model is wrapped in DDP (``step.model``) on the capture stream;
-    pass the bare module. Buffers follow DDP (rank 0's at each step's first forward); a freeze or
+    pass the bare module. Buffers follow DDP (rank 0's at each step's first forward, and at the
+    first forward the script makes through ``step.model`` after a training step); a freeze or
     unfreeze (``requires_grad``) rebuilds the DDP over the new trainable set and graphs again.
     A model sharded with ``fully_shard`` is used as it is (FSDP2: :mod:`.parallel.fsdp2`).
     """
@@ -99,11 +100,12 @@ class TrainStep(FromFrameworks):
         defer_update: bool = False,
         parallel: ParallelMode = "auto",
         check_finite: bool = False,
+        sync_every_call: bool = False,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
-            defer_update, parallel, check_finite,
+            defer_update, parallel, check_finite, sync_every_call,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
         check_compile_fits(model, compile)

@@ -29,6 +29,11 @@ class DataParallel:
     # each rank holds only its shard of every gradient (FSDP2): what one rank finds in its own
     # gradients (check_finite's NaN) the others do not see; the all-reduced norm they all do
     shards_gradients: bool = False
+    # rank 0's buffers are due at the next forward outside training (step.evaluate() or the
+    # script's own forward through ``module``): the last forward was a training forward with
+    # its gradient sync on, as DDP's ``require_forward_param_sync`` says; the step sets it on
+    # every training call, the wrapper reads it (one attribute: no cost on a replayed call)
+    buffers_due: bool = False
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The script built ``optimizer`` over the module's parameters; a wrapper that replaced

@@ -78,6 +78,10 @@ class DDP(DataParallel):
         self._broadcasts = ddp_will_sync_buffers(self.ddp)
         setattr(self.ddp, _FORWARD_BROADCAST, False)
         self._forwards = 0  # DDP forwards that advanced its iteration counter
+        self._stepping = False  # inside the step's own training forward (forward_context)
+        # the script's own forwards through step.model (evaluation) get DDP's broadcast back
+        self.ddp.register_forward_pre_hook(self._script_forward_starts)
+        self.ddp.register_forward_hook(self._script_forward_ended)
 
     # ----------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
@@ -87,7 +91,24 @@ class DDP(DataParallel):
                 stack.enter_context(self.ddp.no_sync())
             if sync_buffers:
                 self.sync_buffers()
+            self._stepping = True
+            stack.callback(setattr, self, "_stepping", False)
             yield
+
+    def _script_forward_starts(self, ddp: nn.Module, args: Any) -> None:
+        """DDP's ``_pre_forward`` broadcast for a forward the script makes itself through
+        ``step.model`` (an evaluation, as torchvision's ``evaluate(model, ...)``): rank 0's
+        buffers first when the last forward was a synced training forward, as plain DDP's
+        ``_check_sync_bufs_pre_fwd`` decides. Runs only where Python calls the DDP (never on a
+        replay); the step's own forwards broadcast through :meth:`forward_context`."""
+        if not self._stepping and self.buffers_due:
+            self.sync_buffers()
+
+    def _script_forward_ended(self, ddp: nn.Module, args: Any, output: Any) -> None:
+        """DDP's ``_post_forward``: a forward with gradients and the sync on makes the next one
+        broadcast; a ``no_grad`` (evaluation) or ``no_sync`` forward does not."""
+        if not self._stepping:
+            self.buffers_due = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
