@@ -35,9 +35,11 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _scale_fp16_on_the_cpu(accelerator) -> None:
-    """What ``Accelerator(mixed_precision="fp16")`` sets up on CUDA, on the CPU."""
+    """What ``Accelerator(mixed_precision="fp16")`` sets up on CUDA, on the CPU (its
+    ``GradScalerKwargs`` included, as ``Accelerator.__init__`` passes them)."""
     assert accelerator.mixed_precision == "fp16" and accelerator.scaler is None
-    accelerator.scaler = torch.amp.GradScaler("cpu")
+    handler = accelerator.scaler_handler
+    accelerator.scaler = torch.amp.GradScaler("cpu", **(handler.to_kwargs() if handler else {}))
     accelerator.native_amp = True
 
 
@@ -173,3 +175,55 @@ def test_graph_trainer_fp16_logs_the_plain_trainers_lrs_and_losses(tmp_path, opt
         # GraphTrainer's fp16 AdamW is fused (it skips on the device): close, not equal
         theirs, mine = [float(e[1]) for e in plain], [float(e[1]) for e in ours]
         assert mine == pytest.approx(theirs, rel=1e-3)
+
+
+def test_from_accelerator_scales_as_the_accelerators_grad_scaler_kwargs():
+    """GradScalerKwargs set on the Accelerator are the step's grad_scaler: the same scale after
+    the same overflows and growth as Accelerate's own loop (a default scaler ends 2**12 away)."""
+    from accelerate.utils import GradScalerKwargs
+
+    kwargs = GradScalerKwargs(init_scale=2.0**6, growth_interval=4, backoff_factor=0.25)
+    scales = []
+    for graphed in (False, True):
+        accelerator = accelerate.Accelerator(
+            cpu=True, mixed_precision="fp16", kwargs_handlers=[kwargs]
+        )
+        _scale_fp16_on_the_cpu(accelerator)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        gen = torch.Generator().manual_seed(1)
+        batches = [
+            (torch.randn(8, 8, generator=gen), torch.randn(8, 2, generator=gen))
+            for _ in range(STEPS)
+        ]
+        for i in OVERFLOWS:
+            batches[i] = (batches[i][0], torch.full((8, 2), float("inf")))
+        opt = _optimizer("adamw-fused", model)
+        _, step = fp16_workers.accelerate_fp16_loop(
+            accelerator, model, opt, torch.nn.MSELoss(), batches, graphed=graphed,
+            engine=CpuGraphs(),
+        )  # fmt: skip
+        scales.append(float(step.loss_scale) if step else accelerator.scaler.get_scale())
+    assert scales[0] != 2.0**16 and scales[1] == scales[0], scales
+
+
+@pytest.mark.parametrize(
+    ("options", "handler", "match"),
+    [
+        ({"grad_scaler": {"init_scale": 8.0}}, {}, "the Accelerator sets fp16's loss scaling"),
+        ({}, {"enabled": False}, "enabled=False"),
+    ],
+)
+def test_from_accelerator_refuses_a_second_scaler_setting(options, handler, match):
+    from accelerate.utils import GradScalerKwargs
+
+    from ddpgraph import ConfigError, TrainStep
+
+    accelerator = accelerate.Accelerator(
+        cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**handler)]
+    )
+    _scale_fp16_on_the_cpu(accelerator)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    with pytest.raises(ConfigError, match=match):
+        TrainStep.from_accelerator(accelerator, model, opt, torch.nn.MSELoss(), **options)

@@ -49,7 +49,7 @@ def accelerator_options(
 ) -> dict[str, Any]:
     """``TrainStep.from_accelerator``'s work: the TrainStep options ``accelerator`` says: ``mixed_precision`` as ``amp``,
     ``gradient_accumulation_steps`` as ``accumulate_calls``, its ``DistributedDataParallelKwargs``
-    as ``ddp_kwargs``, the model moved to ``accelerator.device``. Where the Accelerator does not
+    as ``ddp_kwargs`` and (fp16) ``GradScalerKwargs`` as ``grad_scaler``, the model moved to ``accelerator.device``. Where the Accelerator does not
     accumulate (``gradient_accumulation_steps`` 1), ``accumulate_calls=k`` is the script's own
     accumulation, with ``sync_every_call=True`` unless given.
 
@@ -86,7 +86,36 @@ def accelerator_options(
     model.to(accelerator.device)
     # where Accelerate itself does not autocast (fp16 on a CPU: no native AMP), neither do we
     amp = amp_of(accelerator.mixed_precision) if getattr(accelerator, "native_amp", True) else None
-    return {"amp": amp, "accumulate_calls": k, "ddp_kwargs": ddp_kwargs, **by_hand, **options}
+    scaler = _scaler_options(accelerator, options) if amp == "fp16" else {}
+    return {
+        "amp": amp,
+        "accumulate_calls": k,
+        "ddp_kwargs": ddp_kwargs,
+        **scaler,
+        **by_hand,
+        **options,
+    }
+
+
+def _scaler_options(accelerator: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """fp16: the loss scaler Accelerate builds from its ``GradScalerKwargs`` (init_scale,
+    growth_factor, backoff_factor, growth_interval) as TrainStep's ``grad_scaler``, so the
+    scale, and with it every skipped update, follows Accelerate's own run."""
+    handler = getattr(accelerator, "scaler_handler", None)
+    kwargs = dict(handler.to_kwargs()) if handler is not None else {}
+    if "grad_scaler" in options:
+        raise ConfigError(
+            f"TrainStep.from_accelerator(..., grad_scaler={options['grad_scaler']!r}): the "
+            "Accelerator sets fp16's loss scaling; pass accelerate.utils.GradScalerKwargs("
+            "init_scale=..., ...) in Accelerator(kwargs_handlers=[...]) instead."
+        )
+    if kwargs.pop("enabled", True) is False:
+        raise ConfigError(
+            "GradScalerKwargs(enabled=False) trains fp16 without loss scaling, which TrainStep "
+            "does not do (small gradients would flush to zero); drop enabled=False or use "
+            "mixed_precision='bf16'."
+        )
+    return {"grad_scaler": kwargs} if kwargs else {}
 
 
 def amp_of(mixed_precision: str) -> str | None:
