@@ -107,9 +107,9 @@ def test_ctrl_c_before_the_first_checkpoint_names_when_it_would_have_come(tmp_pa
 def test_restarts_without_checkpoints_are_told_they_start_over(tmp_path):
     from ddpgraph.demo.launch import _notes
 
-    (note,) = _notes(TrainConfig(out=str(tmp_path), max_restarts=2))
+    (note,) = _notes(TrainConfig(out=str(tmp_path), max_restarts=2), 2)
     assert note == (
         "--max-restarts 2 without --checkpoint-every: a restart trains again from step 0; pass "
         "--checkpoint-every N to restart from the newest checkpoint."
     )
-    assert _notes(TrainConfig(out=str(tmp_path), max_restarts=2, checkpoint_every=10)) == []
+    assert _notes(TrainConfig(out=str(tmp_path), max_restarts=2, checkpoint_every=10), 2) == []

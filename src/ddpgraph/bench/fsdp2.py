@@ -24,11 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import write_file
 from .._typed_torch import cuda_stream
 from ..distributed import runtime
 from ..step import TrainStep
 from ..step.parallel.fsdp2 import shard_blocks
 from . import (
+    WRITE_FIX,
     BenchConfig,
     _batches,
     _cycle,
@@ -234,11 +236,10 @@ def run_fsdp2(
     runtime.shutdown()
     if rt.is_main:
         _ratios(results)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
         markdown = _markdown(results) + f"\n\nNote: {results['note']}.\n"
-        out.with_suffix(".md").write_text(markdown)
-        print(markdown)
+        print(markdown)  # first: a file the disk refuses loses no result
+        write_file(out, json.dumps(results, indent=2) + "\n", fix=WRITE_FIX)
+        write_file(out.with_suffix(".md"), markdown, fix=WRITE_FIX)
     return results
 
 

@@ -31,6 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import ddpgraph
 
 from .._debug import REPORTED, debug_requested
+from .._files import write_file
 from ..checkpoint import (
     CheckpointWriteError,
     ResumableLoader,
@@ -529,8 +530,8 @@ def mode_text(metrics: dict[str, Any]) -> str:
 
 
 def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]]) -> Path:
-    """Write ``out/run.json`` atomically: a crash leaves the old file or none, never half of one."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``out/run.json`` atomically: a crash or a full disk leaves the old file or none, never
+    half of one (:class:`~ddpgraph._files.OutputWriteError` says which)."""
     path = out / "run.json"
     accuracy = sum(m["accuracy"] for m in everyone) / len(everyone)
     payload = {
@@ -543,7 +544,8 @@ def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]
         "params_sha256": everyone[0]["params_sha256"],
         "ranks": everyone,
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_file(
+        path,
+        json.dumps(payload, indent=2) + "\n",
+        fix="pass another --out (the metrics are in the table above)",
+    )
