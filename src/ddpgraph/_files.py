@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,13 +36,12 @@ def write_file(path: Path, content: str | bytes | Callable[[Path], None], *, fix
     partial: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-        os.close(fd)
-        partial = Path(name)
+        # a name of its own (not mkstemp's: its files are private, 0600, unlike the umask's)
+        partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
         if callable(content):
             content(partial)
         else:
-            with open(partial, "wb") as file:
+            with open(partial, "xb") as file:
                 file.write(content.encode() if isinstance(content, str) else content)
                 file.flush()
                 os.fsync(file.fileno())

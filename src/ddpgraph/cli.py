@@ -495,9 +495,31 @@ def _read_message(source: str) -> str:
     if not is_file:
         return source
     try:
-        return _decode(Path(source).read_bytes())
+        text = _decode(Path(source).read_bytes())
     except OSError as exc:
         raise click.FileError(source, hint=exc.strerror) from exc
+    if _is_a_script(source, text):
+        raise click.BadParameter(
+            f"{source} is a Python script, not an error message. Check it with `ddpgraph lint "
+            f"{source}`, or explain the error it ends with: `python {source} 2>&1 | ddpgraph "
+            "explain -`.",
+            param_hint="'SOURCE'",
+        )
+    return text
+
+
+def _is_a_script(source: str, text: str) -> bool:
+    """A Python file (by its suffix, or source that compiles) that holds no traceback: what it
+    says is code, whose error names and messages would match known errors by accident."""
+    if "Traceback (most recent call last)" in text:
+        return False
+    if Path(source).suffix.lower() in (".py", ".pyw", ".ipynb"):
+        return True
+    try:
+        compile(text, source, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return any(word in text for word in ("import ", "def ", "class "))
 
 
 def _names_a_file(source: str) -> bool:

@@ -5,12 +5,11 @@ the fix (before any worker starts)."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import click
 
-__all__ = ["Bounded", "FiniteFloatRange", "OutPath", "ProcessCount", "local_capacity"]
+__all__ = ["Bounded", "FiniteFloatRange", "OutPath", "ProcessCount"]
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -71,31 +70,20 @@ def _explained(
     bounds.fail(f"{message}; pass a {kind} in the range {bounds._describe_range()}.", param, ctx)
 
 
-def local_capacity() -> tuple[int, str]:
-    """How many worker processes this machine can run at once, and in what: one per visible GPU,
-    else one per CPU core this process may use (at least 2, the CPU default)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.device_count(), "visible GPU(s); each rank needs its own"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(
-        cores or 1, 2
-    ), "CPU core(s) and no GPU; more ranks than cores only wait on each other"
-
-
 class ProcessCount(click.ParamType[int, Any]):
     """--nproc: 1 up to :func:`local_capacity` (found when the option is given, not at import)."""
 
     name = "integer"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from .distributed.launch import local_capacity
+
         count = click.IntRange(min=1).convert(value, param, ctx)
         most, what = local_capacity()
         if count > most:
             self.fail(
-                f"{count} worker processes on a machine with {most} {what}; pass --nproc {most} "
-                "or fewer.",
+                f"{count} worker processes, more than this machine runs ({what}); pass --nproc "
+                f"{most} or fewer.",
                 param,
                 ctx,
             )

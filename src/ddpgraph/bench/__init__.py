@@ -487,10 +487,11 @@ def run_bench(
                         run[mode] = measured
                     progress.advance(task)
                 runs.append(run)
+                # said first: a disk that refuses the JSON loses no result
+                progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
                 if rt.is_main:  # a run cut short by a time limit keeps its finished repeats
                     _write_json(results, out)
                     stop.written(sum(len(c["runs"]) for c in results["configs"].values()))
-                progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
     runtime.shutdown()
     if rt.is_main:
         write_outputs(results, out)

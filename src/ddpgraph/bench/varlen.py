@@ -182,10 +182,10 @@ def run_varlen(*, repeats: int, quick: bool, out: Path) -> dict[str, Any]:
     with Interruptible(out) as stop:
         for r in range(repeats):
             _repeat(results, modes, cfg, rt, batches, stop)
-            if rt.is_main:
+            if rt.is_main:  # said first: a disk that refuses the JSON loses no result
+                _say(r, repeats, results["runs"][-1])
                 _write_json(results, out)
                 stop.written(r + 1)
-                _say(r, repeats, results["runs"][-1])
     runtime.shutdown()
     return results
 

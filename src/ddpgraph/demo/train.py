@@ -102,12 +102,14 @@ class _Interrupt:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.step = 0  # the last step this rank finished
+        self.config: TrainConfig | None = None
 
     @property
     def seen(self) -> bool:
         return self.signum is not None
 
-    def install(self) -> None:
+    def install(self, config: TrainConfig) -> None:
+        self.config = config
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
@@ -115,6 +117,11 @@ class _Interrupt:
         if self.seen:
             return  # the second signal (SIGINT, then the launcher's SIGTERM): already stopping
         self.signum = signum
+        if self.config is not None:
+            # stop here: a KeyboardInterrupt raised in a finalizer or a weakref callback is only
+            # printed ("Exception ignored ...") and the rank would go on until the launcher's
+            # SIGKILL; nothing is unwound before exiting anyway (see _stop_interrupted)
+            _stop_interrupted(self.config)
         raise KeyboardInterrupt
 
 
@@ -127,7 +134,7 @@ def launched_worker(config: TrainConfig) -> dict[str, Any]:
     Ctrl-C stops it at once, without a traceback (rank 0 leaves the step for the launcher); a
     ddpgraph error is left as its message for the launcher (the traceback with --debug).
     """
-    _interrupt.install()
+    _interrupt.install(config)
     try:
         return run_worker(config)
     except BaseException as exc:

@@ -148,6 +148,11 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
         if not names:
             raise ValueError("TrainStep got an empty mapping; pass the model's keyword inputs.")
         return Batch("mapping", names, tuple(mapping[n] for n in names))
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        raise TypeError(
+            f"TrainStep got one {type(args[0]).__name__} of {len(args[0])} item(s), not tensors; "
+            "unpack it: step(*batch), e.g. step(x, y) for a batch (x, y)."
+        )
     if len(args) < min_positional:
         raise ValueError(
             f"TrainStep got {len(args)} tensor(s); call step(*inputs, target), e.g. step(x, y), "
@@ -160,7 +165,11 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
 
 def _require_tensor(value: object, what: str) -> None:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} is a {type(value).__name__}, not a tensor.")
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise TypeError(
+            f"{what} is {type(value).__name__} {shown}, not a tensor; pass tensors, e.g. "
+            "torch.as_tensor(value), or batches from a DataLoader."
+        )
 
 
 def describe(signature: Signature) -> str:
