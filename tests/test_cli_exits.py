@@ -218,3 +218,30 @@ def test_a_mapping_batch_with_a_torch_loss_says_what_the_loss_gets():
     batch = {"input": torch.randn(8, 4), "labels": torch.randint(3, (8,))}
     with pytest.raises(TypeError, match=r"loss_fn=CrossEntropyLoss\(\) with a mapping batch gets"):
         step(batch)
+
+
+def test_on_new_shape_error_without_a_graph_speaks_of_the_batches_it_holds():
+    model = nn.Linear(4, 3)
+    step = dg.TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loss_fn=nn.CrossEntropyLoss(),
+        on_new_shape="error",
+    )
+    for _ in range(30):  # past the warm-up: the step runs eagerly on the CPU, no graph
+        step(torch.randn(8, 4), torch.randint(3, (8,)))
+    with pytest.raises(ValueError) as raised:
+        step(torch.randn(6, 4), torch.randint(3, (6,)))
+    assert "but it holds batches of (8, 4) float32, (8,) int64 (the first after warm-up;" in str(
+        raised.value
+    )
+    assert "its graph" not in str(raised.value) and "captured" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("timeout", "warned_at"), [(1.0, 0.9), (7.5, 5.0), (20.0, None), (600.0, None)]
+)
+def test_a_short_train_timeout_warns_of_a_slow_rank_only_past_the_startup_skew(timeout, warned_at):
+    from ddpgraph.demo.train import stall_warning
+
+    assert stall_warning(timeout) == warned_at  # None: init's own default, a quarter

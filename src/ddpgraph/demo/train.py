@@ -205,12 +205,26 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
         # each CPU rank gets its share of the cores instead of all ranks fighting over all of them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    with ddpgraph.init(timeout=config.timeout) as rt:
+    with ddpgraph.init(timeout=config.timeout, stall_warning=stall_warning(config.timeout)) as rt:
         metrics = _train(config, rt)
         everyone = _gather(metrics)
         if rt.is_main:
             _report(config, everyone)
     return metrics
+
+
+# The ranks of a healthy run reach their first collectives up to a few tenths of a second apart
+# (each imports torch and builds its data on its own): no reason to warn of a stalled rank.
+STARTUP_SKEW_S = 5.0
+
+
+def stall_warning(timeout: float) -> float | None:
+    """When the watchdog warns of a slow rank: ddpgraph.init's default (None: a quarter of the
+    timeout, at most 60 s) unless that comes before :data:`STARTUP_SKEW_S`; then at 90 % of a
+    short --timeout, just before the run fails, so that a run that succeeds is not warned."""
+    if timeout / 4 >= STARTUP_SKEW_S:
+        return None
+    return min(STARTUP_SKEW_S, 0.9 * timeout)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

@@ -182,13 +182,14 @@ def describe(signature: Signature) -> str:
     return ", ".join(parts)
 
 
-def differences(new: Signature, known: Signature) -> str:
-    """What changed from ``known`` to ``new``, naming each entry (key or position)."""
+def differences(new: Signature, known: Signature, *, known_as: str = "captured") -> str:
+    """What changed from ``known`` to ``new``, naming each entry (key or position); ``known_as``
+    says what ``known`` is (a captured batch, or the first one where nothing is captured)."""
     if new[:2] != known[:2]:
         return f"the entries changed from {list(known[1])} to {list(new[1])}"
     changed = [
         f"{_entry(new[0], name)} {tuple(a[0])} {str(a[1]).removeprefix('torch.')} "
-        f"(captured {tuple(b[0])} {str(b[1]).removeprefix('torch.')})"
+        f"({known_as} {tuple(b[0])} {str(b[1]).removeprefix('torch.')})"
         for name, a, b in zip(new[1], new[2], known[2])
         if a != b
     ]
