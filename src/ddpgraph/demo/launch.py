@@ -329,12 +329,17 @@ def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
 def _check_manifest_fits(
     config: TrainConfig, workers: int, found: Path, manifest: dict[str, Any]
 ) -> str | None:
-    if config.stop_after is not None and config.stop_after <= manifest["step"]:
+    saved = manifest["step"]
+    if config.stop_after is not None and config.stop_after <= saved < config.steps:
+        between = (
+            f"pass a --stop-after between {saved + 1} and {config.steps - 1}, or "
+            if saved + 1 < config.steps
+            else ""
+        )
         return (
-            f"--stop-after {config.stop_after} is not after step {manifest['step']}, where "
-            f"{found} resumes: there would be nothing to train. Pass a --stop-after between "
-            f"{manifest['step'] + 1} and {config.steps - 1}, or leave it out to train to step "
-            f"{config.steps}."
+            f"--stop-after {config.stop_after} is not after step {saved}, where {found} "
+            f"resumes: there would be nothing to train. {between.capitalize()}"
+            f"{'leave' if between else 'Leave'} it out to train to step {config.steps}."
         )
     if manifest["step"] >= config.steps:
         return (
