@@ -151,6 +151,11 @@ def test_bench_varlen_quick_runs_every_mode_on_padded_buckets(tmp_path):
     assert set(run) == {"eager_ddp", "eager_ddp_padded", "train_step_buckets"}
     assert run["eager_ddp"]["vs_eager"] == 1.0
     assert all(m["median_ms"] > 0 and m["whole_run_ms"] > 0 for m in run.values())
+    # on the CPU the ratios are noise, and it says so; every time printed has its unit
+    assert "ddpgraph bench: warning: on CPU there are no CUDA graphs" in proc.stderr
+    assert data["note"].startswith("on CPU there are no CUDA graphs")
+    (line,) = [text for text in proc.stdout.splitlines() if text.startswith("[bench varlen]")]
+    assert line.count(" ms (") == 3 and line.count(" ms per step)") == 3, line
 
 
 def test_causal_lm_ignores_padding_labels():
