@@ -38,3 +38,50 @@ def run_python(
         text=True,
         timeout=timeout,
     )
+
+
+def tiny_filesystem_works(where: Path, size: str) -> bool:
+    """Whether this machine lets a test mount a tmpfs of its own (in a user and mount namespace:
+    no root needed where unprivileged user namespaces are allowed)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs {where}"],
+        capture_output=True,
+    )
+    return probe.returncode == 0
+
+
+def on_tiny_disk(
+    mount: Path, size: str, script: str, *, leave_free_kib: int | None = None, timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``script`` (sh) run with a tmpfs of ``size`` mounted at ``mount``, filled first so that
+    ``leave_free_kib`` KiB stay free (not filled: None); the test is skipped where no tmpfs
+    can be mounted. Its exit status is the script's."""
+    import pytest
+
+    mount.mkdir(exist_ok=True)
+    if not tiny_filesystem_works(mount, size):
+        pytest.skip("cannot mount a tmpfs here (unshare -rm is not permitted)")
+    fill = ""
+    if leave_free_kib is not None:
+        # fill the rest: a file as large as the free space less what is to be left
+        fill = (
+            f"free=$(df -k {mount} | awk 'NR==2 {{print $4}}'); "
+            f"head -c $(( (free - {leave_free_kib}) * 1024 )) /dev/zero > {mount}/.fill; "
+        )
+    return subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            "sh",
+            "-c",
+            f"mount -t tmpfs -o size={size} tmpfs {mount} && {fill}{script}",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -151,6 +151,11 @@ def test_bench_varlen_quick_runs_every_mode_on_padded_buckets(tmp_path):
     assert set(run) == {"eager_ddp", "eager_ddp_padded", "train_step_buckets"}
     assert run["eager_ddp"]["vs_eager"] == 1.0
     assert all(m["median_ms"] > 0 and m["whole_run_ms"] > 0 for m in run.values())
+    # on the CPU the ratios are noise, and it says so; every time printed has its unit
+    assert "ddpgraph bench: warning: on CPU there are no CUDA graphs" in proc.stderr
+    assert data["note"].startswith("on CPU there are no CUDA graphs")
+    (line,) = [text for text in proc.stdout.splitlines() if text.startswith("[bench varlen]")]
+    assert line.count(" ms (") == 3 and line.count(" ms per step)") == 3, line
 
 
 def test_causal_lm_ignores_padding_labels():
@@ -163,3 +168,45 @@ def test_causal_lm_ignores_padding_labels():
     labels = torch.cat([ids, torch.full((2, 3), -100)], dim=1)
     with torch.no_grad():
         assert torch.allclose(model(ids, ids), model(padded, labels), atol=1e-6)
+
+
+def _bench_on_tiny_disk(tmp_path, *, leave_free_kib: int):
+    from .procs import on_tiny_disk
+
+    mount = tmp_path / "tiny"
+    bench = f"{sys.executable} -m ddpgraph bench --quick --steps 5 --repeats 1 --out {mount}/b.json"
+    job = on_tiny_disk(mount, "256k", f"{bench}; code=$?; echo left: $(ls -A {mount}); exit $code",
+                       leave_free_kib=leave_free_kib, timeout=200)  # fmt: skip
+    (left,) = [text.split()[1:] for text in job.stdout.splitlines() if text.startswith("left:")]
+    return mount, job, left
+
+
+def _the_one_error_line(job) -> str:
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr + job.stdout and "[rank0]" not in job.stderr
+    (line,) = [text for text in job.stderr.splitlines() if text.startswith("ddpgraph: error: ")]
+    assert job.stderr.rstrip().endswith(
+        "(rerun with --debug or DDPGRAPH_DEBUG=1 for the traceback)"
+    )
+    return line
+
+
+@pytest.mark.timeout(240)
+def test_bench_on_a_full_disk_is_one_line_exit_1_and_nothing_half_written(tmp_path):
+    mount, job, left = _bench_on_tiny_disk(tmp_path, leave_free_kib=0)
+    assert _the_one_error_line(job) == (
+        f"ddpgraph: error: could not write {mount}/b.json: no space left on the device (0.0 MiB "
+        "free; [Errno 28] No space left on device). Free space there or pass another --out (the "
+        "results are printed above); nothing half-written was left."
+    )
+    assert "[bench] MLP 2x64 b8 (quick) 1/1: eager_ddp" in job.stdout  # the results, kept
+    assert left == [".fill"]  # no JSON, no partial file
+
+
+@pytest.mark.timeout(240)
+def test_bench_with_no_room_for_the_chart_keeps_the_json_and_the_table(tmp_path):
+    mount, job, left = _bench_on_tiny_disk(tmp_path, leave_free_kib=16)
+    line = _the_one_error_line(job)
+    assert line.startswith(f"ddpgraph: error: could not write {mount}/b.png: no space left on the ")
+    assert "| MLP 2x64 b8 (quick) |" in job.stdout  # the table was printed before any write
+    assert left == [".fill", "b.json", "b.md"]  # written whole; no partial chart

@@ -127,7 +127,8 @@ def test_ctrl_c_while_the_train_workers_import_torch_is_exit_130_and_one_line(tm
     stdout, stderr = _ctrl_c_once_workers_import_torch(job)
     assert job.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr + stdout and "KeyboardInterrupt" not in stderr
-    (line,) = stderr.strip().splitlines()
+    starting, line = stderr.strip().splitlines()  # the first line is said before the workers
+    assert starting == f"ddpgraph train: starting 2 worker(s) (CPU, gloo); --out {tmp_path}/run"
     assert re.fullmatch(
         r"ddpgraph train: interrupted \(SIGINT\) (before the first step|at step \d+ of 100000); "
         r"no checkpoint saved, .*",
@@ -314,10 +315,11 @@ def test_a_bench_out_that_cannot_be_opened_says_the_error_opening_it_gave():
     assert os.strerror(errno.ENOENT) not in result.output
 
 
-def test_an_empty_bench_out_is_refused_as_empty():
-    result = CliRunner().invoke(cli, ["bench", "--quick", "--out", ""])
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_an_empty_out_is_refused_as_empty_not_taken_as_the_working_folder(command, tmp_path):
+    result = CliRunner().invoke(cli, [command, "--out", ""])
     assert result.exit_code == 2
-    assert "Invalid value for '--out': empty; pass the JSON file to write" in result.output
+    assert "Invalid value for '--out': empty; pass where to write, e.g. " in result.output
     assert "foreign" not in result.output and "delete" not in result.output
 
 

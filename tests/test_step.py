@@ -164,7 +164,7 @@ def test_bad_calls_are_named():
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda out, y: out - 1)
     with pytest.raises(ValueError, match=r"got 1 tensor\(s\); call step\(\*inputs, target\)"):
         step(torch.randn(2, 8))
-    with pytest.raises(TypeError, match="batch element 1 is a list"):
+    with pytest.raises(TypeError, match=r"batch element 1 is list \[1, 2\], not a tensor"):
         step(torch.randn(2, 8), [1, 2])
     with pytest.raises(ValueError, match=r"loss_fn must return a scalar tensor, got \(2, 4\)"):
         step(torch.randn(2, 8), torch.zeros(2))
@@ -368,7 +368,7 @@ def test_model_without_a_loss_is_named_with_the_fix():
 def test_bad_mapping_entries_are_named():
     hf = step_workers.ComputesItsLoss()
     step = TrainStep(hf, torch.optim.SGD(hf.parameters(), lr=0.1))
-    with pytest.raises(TypeError, match=r"batch\['labels'\] is a list"):
+    with pytest.raises(TypeError, match=r"batch\['labels'\] is list \[0, 1\], not a tensor"):
         step({"inputs": torch.zeros(2, 8), "labels": [0, 1]})
     with pytest.raises(ValueError, match="empty mapping"):
         step({})

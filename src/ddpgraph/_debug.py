@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from ._files import OutputWriteError
 from .errors import (
     CaptureError,
     CollectiveTimeout,
@@ -22,7 +23,8 @@ from .errors import (
 DEBUG_ENV = "DDPGRAPH_DEBUG"
 
 # What ddpgraph raises with a message that is the whole story: worth no traceback by default.
-# ConfigError (CheckpointError too) is the caller's input: a usage error.
+# ConfigError (CheckpointError too) is the caller's input: a usage error; OutputWriteError (a
+# result file a full disk or a read-only folder refused) is not.
 REPORTED = (
     ConfigError,
     DistributedStateError,
@@ -31,6 +33,7 @@ REPORTED = (
     CollectiveTimeout,
     CaptureError,
     NonFiniteError,
+    OutputWriteError,
 )
 
 

@@ -15,7 +15,8 @@ import click
 from . import __version__, _cli_start
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
 from .cli_bench import modes_left_out, prepare_result_set, refuse_ignored_options, result_set
-from .cli_types import FiniteFloatRange
+from .cli_types import Bounded, FiniteFloatRange, OutPath, ProcessCount
+from .demo.train import TRAIN_SAMPLES
 from .errors import ConfigError
 from .errors import explain as explain_error
 
@@ -33,7 +34,9 @@ class _Commands(click.Group):
             if signum is None or debug_requested():
                 raise
             command = " ".join(filter(None, ["ddpgraph", ctx.invoked_subcommand]))
-            click.echo(f"{command}: interrupted ({signal.Signals(signum).name})", err=True)
+            # a command that stops on Ctrl-C says what it kept (bench: its finished repeats)
+            kept = f"; {exc}" if isinstance(exc, KeyboardInterrupt) and str(exc) else ""
+            click.echo(f"{command}: interrupted ({signal.Signals(signum).name}){kept}", err=True)
             raise SystemExit(128 + signum) from None
 
 
@@ -46,6 +49,21 @@ def _stopped_by(exc: BaseException) -> int | None:
     if agent is not None and isinstance(exc, agent.SignalException):
         return int(exc.sigval)
     return None
+
+
+# The real range of each number (checked at parse time, before any worker starts).
+MAX_STEPS = 10_000_000
+STEPS = Bounded(min=1, max=MAX_STEPS, why="run.json keeps a loss every 20 steps")
+MAX_SEED = 2**63 - 1
+MAX_RESTARTS = 1000
+MAX_BENCH_STEPS = 100_000
+MAX_REPEATS = 1000
+TIMEOUT = FiniteFloatRange(
+    min=1,
+    max=1e9,
+    max_open=True,
+    why="ddpgraph.init's range: a longer wait is a hang, and timedelta overflows",
+)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -69,9 +87,13 @@ def cli(debug: bool) -> None:
     show_default=True,
     help="Built-in model to train.",
 )
-@click.option("--steps", type=click.IntRange(min=1), default=300, show_default=True)
+@click.option("--steps", type=STEPS, default=300, show_default=True)
 @click.option(
-    "--batch-size", type=click.IntRange(min=1), default=64, show_default=True, help="Per rank."
+    "--batch-size",
+    type=Bounded(min=1, max=TRAIN_SAMPLES, why=f"the data set has {TRAIN_SAMPLES} samples"),
+    default=64,
+    show_default=True,
+    help="Per rank.",
 )
 @click.option(
     "--lr",
@@ -82,41 +104,47 @@ def cli(debug: bool) -> None:
 )
 @click.option(
     "--nproc",
-    type=click.IntRange(min=1),
+    type=ProcessCount(),
     default=None,
-    help="Worker processes [default: one per local GPU, or 2 CPU workers on gloo without GPU].",
+    help="Worker processes, at most one per local GPU (or CPU core) [default: one per local "
+    "GPU, or 2 CPU workers on gloo without GPU].",
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=Bounded(min=0, max=MAX_SEED, why="the range every generator the run seeds takes"),
+    default=0,
+    show_default=True,
+)
 @click.option(
     "--out",
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutPath(file_okay=False, path_type=Path, example="runs/latest"),
     default=Path("runs/latest"),
     show_default=True,
     help="Directory for run.json (and checkpoints/).",
 )
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=1),
+    type=TIMEOUT,
     default=600.0,
     show_default=True,
     help="Seconds a collective may wait for a peer (ddpgraph.init's timeout).",
 )
 @click.option(
     "--checkpoint-every",
-    type=click.IntRange(min=1),
+    type=STEPS,
     default=None,
     help="Save a checkpoint every N steps in OUT/checkpoints (the newest 2 are kept).",
 )
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in OUT.")
 @click.option(
     "--stop-after",
-    type=click.IntRange(min=1),
+    type=STEPS,
     default=None,
     help="Stop after N steps with a checkpoint, as if interrupted; continue with --resume.",
 )
 @click.option(
     "--max-restarts",
-    type=click.IntRange(min=0),
+    type=Bounded(min=0, max=MAX_RESTARTS, why="more restarts than that is a crash loop"),
     default=0,
     show_default=True,
     help="Restart all workers up to K times when one fails (torchrun's option); they resume "
@@ -132,7 +160,9 @@ def cli(debug: bool) -> None:
 )
 @click.option(
     "--steps-per-replay",
-    type=click.IntRange(min=1),
+    type=Bounded(
+        min=1, max=TRAIN_SAMPLES, why="one replay takes at most one epoch of the data set"
+    ),
     default=2,
     show_default=True,
     help="With the data on the device: training steps per graph replay (more helps models "
@@ -229,8 +259,18 @@ def _check_train_options(data: str, steps_per_replay: int) -> None:
     multiple=True,
     help="Modes to run (repeatable; eager_ddp always runs, as the baseline) [default: all].",
 )
-@click.option("--steps", type=click.IntRange(min=5), default=60, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--steps",
+    type=Bounded(min=5, max=MAX_BENCH_STEPS, why="each step's time is kept in memory"),
+    default=60,
+    show_default=True,
+)
+@click.option(
+    "--repeats",
+    type=Bounded(min=1, max=MAX_REPEATS, why="each repeat is kept in the JSON"),
+    default=3,
+    show_default=True,
+)
 @click.option(
     "--quick",
     is_flag=True,
@@ -254,7 +294,7 @@ def _check_train_options(data: str, steps_per_replay: int) -> None:
 )
 @click.option(
     "--out",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=OutPath(dir_okay=False, path_type=Path, example="benchmarks/results/bench.json"),
     default=None,
     help="The result set's JSON file; a plain run also writes the .md table and .png chart "
     "beside it. A run replaces the whole set, and refuses a file of another kind of run "
@@ -289,20 +329,16 @@ def bench(
             "transformer-large is an FSDP2 config; add --parallel fsdp2", param_hint="'--config'"
         )
     notes = modes_left_out(list(configs), list(modes), quick) if kind == "bench" else []
+    if kind == "fsdp2":
+        _check_fsdp2_configs(configs)
     out = _bench_out(out, kind)
-    prepare_result_set(out, kind)  # found now, not after the whole run has been measured
+    # after every usage check (a refused run creates no folder), before the run is measured
+    prepare_result_set(out, kind)
     for note in notes:
         click.echo(f"ddpgraph bench: {note}", err=True)
     if kind == "fsdp2":
-        from .bench.fsdp2 import FSDP2_CONFIGS, run_fsdp2
+        from .bench.fsdp2 import run_fsdp2
 
-        other = sorted(set(configs) - set(FSDP2_CONFIGS))
-        if other:
-            raise click.BadParameter(
-                f"{', '.join(other)}: DDP config(s); --parallel fsdp2 runs "
-                f"{' and '.join(sorted(FSDP2_CONFIGS))}",
-                param_hint="'--config'",
-            )
         run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
     elif kind == "hf":
         from .bench.hf import ARCHITECTURES, run_hf
@@ -406,16 +442,21 @@ def explain(source: str) -> None:
     click.echo(found.render())
 
 
-def _bench_out(out: Path | None, kind: str) -> Path:
-    """--out, or the kind's default; an empty one is refused (Path("") is the working folder)."""
-    if out is None:
-        return Path(f"benchmarks/results/{kind}.json")
-    if not str(out).strip() or str(out) == ".":
+def _check_fsdp2_configs(configs: tuple[str, ...]) -> None:
+    from .bench.fsdp2 import FSDP2_CONFIGS
+
+    other = sorted(set(configs) - set(FSDP2_CONFIGS))
+    if other:
         raise click.BadParameter(
-            f"empty; pass the JSON file to write, e.g. benchmarks/results/{kind}.json.",
-            param_hint="'--out'",
+            f"{', '.join(other)}: DDP config(s); --parallel fsdp2 runs "
+            f"{' and '.join(sorted(FSDP2_CONFIGS))}",
+            param_hint="'--config'",
         )
-    return out
+
+
+def _bench_out(out: Path | None, kind: str) -> Path:
+    """--out, or the kind's default."""
+    return Path(f"benchmarks/results/{kind}.json") if out is None else out
 
 
 def _read_message(source: str) -> str:
@@ -454,9 +495,31 @@ def _read_message(source: str) -> str:
     if not is_file:
         return source
     try:
-        return _decode(Path(source).read_bytes())
+        text = _decode(Path(source).read_bytes())
     except OSError as exc:
         raise click.FileError(source, hint=exc.strerror) from exc
+    if _is_a_script(source, text):
+        raise click.BadParameter(
+            f"{source} is a Python script, not an error message. Check it with `ddpgraph lint "
+            f"{source}`, or explain the error it ends with: `python {source} 2>&1 | ddpgraph "
+            "explain -`.",
+            param_hint="'SOURCE'",
+        )
+    return text
+
+
+def _is_a_script(source: str, text: str) -> bool:
+    """A Python file (by its suffix, or source that compiles) that holds no traceback: what it
+    says is code, whose error names and messages would match known errors by accident."""
+    if "Traceback (most recent call last)" in text:
+        return False
+    if Path(source).suffix.lower() in (".py", ".pyw", ".ipynb"):
+        return True
+    try:
+        compile(text, source, "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return any(word in text for word in ("import ", "def ", "class "))
 
 
 def _names_a_file(source: str) -> bool:
@@ -484,13 +547,14 @@ def _decode(data: bytes) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 @click.option(
     "--nproc",
-    type=click.IntRange(min=1),
+    type=ProcessCount(),
     default=None,
-    help="Ranks for the self-test [default: one per local GPU, or 2 CPU ranks on gloo].",
+    help="Ranks for the self-test, at most one per local GPU (or CPU core) [default: one per "
+    "local GPU, or 2 CPU ranks on gloo].",
 )
 @click.option(
     "--timeout",
-    type=FiniteFloatRange(min=1),
+    type=TIMEOUT,
     default=60.0,
     show_default=True,
     help="Seconds a self-test collective may take before it counts as hung.",

@@ -33,7 +33,7 @@ def refuse_ignored_options(ctx: click.Context, kind: str) -> None:
         )
     given = [
         name
-        for name in ("configs", "modes", "steps", "quick")
+        for name in ("configs", "modes", "steps", "quick", "varlen", "hf")
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
         and name not in _BENCH_OPTIONS[kind]
     ]

@@ -5,48 +5,25 @@ the first checkpoint, restarts without checkpoints."""
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from ddpgraph.demo.train import REPORTED_EXIT, TrainConfig
 
-from ..procs import child_env
+from ..procs import on_tiny_disk
 
 TINY = "1100k"  # room for one checkpoint of the MLP (~730 KiB), not for two
-
-
-def _tiny_filesystem_works(where: Path) -> bool:
-    """Whether this machine lets the test mount a tmpfs of its own (in a user and mount
-    namespace: no root needed where unprivileged user namespaces are allowed)."""
-    if shutil.which("unshare") is None:
-        return False
-    probe = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={TINY} tmpfs {where}"],
-        capture_output=True,
-    )
-    return probe.returncode == 0
 
 
 @pytest.mark.timeout(300)
 def test_a_checkpoint_that_fills_the_disk_is_one_line_exit_1_and_the_older_one_is_kept(tmp_path):
     mount = tmp_path / "tiny"
-    mount.mkdir()
-    if not _tiny_filesystem_works(mount):
-        pytest.skip("cannot mount a tmpfs here (unshare -rm is not permitted); the ENOSPC cases "
-                    "of tests/test_checkpoint.py still run")  # fmt: skip
     train = [sys.executable, "-m", "ddpgraph", "train", "--steps", "40", "--checkpoint-every",
              "10", "--out", f"{mount}/run"]  # fmt: skip
-    script = (
-        f"mount -t tmpfs -o size={TINY} tmpfs {mount} && {' '.join(train)}; code=$?; "
-        f"echo left: $(ls -A {mount}/run/checkpoints); exit $code"
-    )
-    job = subprocess.run(["unshare", "-rm", "sh", "-c", script], env=child_env(),
-                         capture_output=True, text=True, timeout=280)  # fmt: skip
+    script = f"{' '.join(train)}; code=$?; echo left: $(ls -A {mount}/run/checkpoints); exit $code"
+    job = on_tiny_disk(mount, TINY, script, timeout=280)
     assert job.returncode == 1, job.stderr[-3000:]
     line = next(text for text in job.stderr.splitlines() if "failed: " in text)
     assert re.fullmatch(
@@ -59,6 +36,29 @@ def test_a_checkpoint_that_fills_the_disk_is_one_line_exit_1_and_the_older_one_i
     assert "Traceback" not in job.stderr and "Root Cause" not in job.stderr
     (left,) = [text for text in job.stdout.splitlines() if text.startswith("left: ")]
     assert left == "left: latest step-00000010"  # no partial folder
+
+
+@pytest.mark.timeout(300)
+def test_run_json_on_a_full_disk_is_one_line_exit_1_after_the_metrics_and_nothing_half_written(
+    tmp_path,
+):
+    mount = tmp_path / "full"
+    train = f"{sys.executable} -m ddpgraph train --steps 4 --batch-size 8 --out {mount}/run"
+    job = on_tiny_disk(mount, "256k", f"{train}; code=$?; echo left: $(ls -A {mount}/run); "
+                       "exit $code", leave_free_kib=0, timeout=280)  # fmt: skip
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert "│    0 │    cpu │" in job.stdout  # the metrics table came first
+    (line,) = [text for text in job.stderr.splitlines() if "OutputWriteError" in text]
+    assert re.fullmatch(
+        rf"ddpgraph train: failed( on rank 0)?: OutputWriteError: could not write {mount}/run/"
+        r"run\.json: no space left on the device \(0\.0 MiB free; \[Errno 28\] No space left on "
+        r"device\)\. Free space there or pass another --out \(the metrics are in the table "
+        r"above\); nothing half-written was left\.",
+        line,
+    ), job.stderr
+    assert "Traceback" not in job.stderr + job.stdout and "Root Cause" not in job.stderr
+    (left,) = [text for text in job.stdout.splitlines() if text.startswith("left:")]
+    assert left == "left:"  # no run.json, no partial file, no report left behind
 
 
 def test_workers_that_could_not_leave_their_reports_are_said_to_have_printed_them(tmp_path, capsys):
@@ -107,9 +107,9 @@ def test_ctrl_c_before_the_first_checkpoint_names_when_it_would_have_come(tmp_pa
 def test_restarts_without_checkpoints_are_told_they_start_over(tmp_path):
     from ddpgraph.demo.launch import _notes
 
-    (note,) = _notes(TrainConfig(out=str(tmp_path), max_restarts=2))
+    (note,) = _notes(TrainConfig(out=str(tmp_path), max_restarts=2), 2)
     assert note == (
         "--max-restarts 2 without --checkpoint-every: a restart trains again from step 0; pass "
         "--checkpoint-every N to restart from the newest checkpoint."
     )
-    assert _notes(TrainConfig(out=str(tmp_path), max_restarts=2, checkpoint_every=10)) == []
+    assert _notes(TrainConfig(out=str(tmp_path), max_restarts=2, checkpoint_every=10), 2) == []

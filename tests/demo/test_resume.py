@@ -216,7 +216,7 @@ def test_timeout_reaches_init_and_run_json_records_the_hash(tmp_path, monkeypatc
 
     monkeypatch.setattr(ddpgraph, "init", init)
     run_worker(TrainConfig(steps=3, batch_size=16, out=str(tmp_path), timeout=7.5))
-    assert seen == [{"timeout": 7.5}]
+    assert seen == [{"timeout": 7.5, "stall_warning": 5.0}]  # not 1.9 s: ranks start apart
     run = json.loads((tmp_path / "run.json").read_text())
     assert len(run["params_sha256"]) == 64 and run["config"]["timeout"] == 7.5
 
@@ -295,7 +295,7 @@ def test_a_plain_run_is_told_of_old_checkpoints_it_leaves_and_a_restartable_one_
 
     _fake_checkpoint(tmp_path)
     plain = TrainConfig(out=str(tmp_path))
-    (note,) = _notes(plain)
+    (note,) = _notes(plain, 2)
     assert note == (
         f"--out {tmp_path} holds checkpoints of an earlier run (newest: step-00000010); this run "
         f"neither uses nor replaces them. Pass --resume to continue that run, or delete "
@@ -306,7 +306,7 @@ def test_a_plain_run_is_told_of_old_checkpoints_it_leaves_and_a_restartable_one_
     restartable = TrainConfig(out=str(tmp_path), max_restarts=1)
     problem = _check_before_launch(restartable, 2)
     assert problem is not None and "already holds checkpoints (newest: step-00000010)" in problem
-    assert _notes(TrainConfig(out=str(tmp_path / "fresh"))) == []
+    assert _notes(TrainConfig(out=str(tmp_path / "fresh")), 2) == []
 
 
 def test_a_reported_worker_error_is_one_line_per_message_and_other_endings_are_named(

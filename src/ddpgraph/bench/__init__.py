@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import write_file
 from .._typed_torch import cuda_event, nccl_version
 from ..data.device_data import DeviceData
 from ..distributed import runtime
@@ -386,6 +388,59 @@ def cpu_warnings(device: torch.device, configs: list[BenchConfig]) -> list[str]:
     return found
 
 
+class Interruptible:
+    """Ctrl-C during a bench run, remembered: Python only prints a KeyboardInterrupt raised in a
+    finalizer or a callback ("Exception ignored in ..."), and the run would go on to exit 0. The
+    run checks between modes (:meth:`check`) and stops there; what it finished stays written.
+
+    Used as ``with Interruptible(out) as stop:``; leaving it by Ctrl-C raises KeyboardInterrupt
+    whose text says what ``out`` holds, which the command line adds to its one line.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.seen = False
+        self.kept = 0  # repeats written to ``out``
+
+    def __enter__(self) -> Interruptible:
+        self._previous = signal.getsignal(signal.SIGINT)
+        if self._previous is signal.default_int_handler:  # not one the caller installed
+            signal.signal(signal.SIGINT, self._handle)
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._ignored
+        return self
+
+    def _ignored(self, report: Any) -> None:
+        """Python's "Exception ignored in ..." report: not for the Ctrl-C it ignored, which
+        :meth:`check` raises again."""
+        if not (self.seen and isinstance(report.exc_value, KeyboardInterrupt)):
+            self._unraisable(report)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+    def check(self) -> None:
+        if self.seen:
+            raise KeyboardInterrupt
+
+    def written(self, repeats: int) -> None:
+        self.kept = repeats
+
+    def __exit__(self, kind: type[BaseException] | None, exc: object, tb: object) -> None:
+        if signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, self._previous)
+        sys.unraisablehook = self._unraisable
+        # a Ctrl-C that Python ignored after the last check still stops the run
+        if self.seen or (kind is not None and issubclass(kind, KeyboardInterrupt)):
+            kept = (
+                f"the {self.kept} finished repeat(s) are in {self.out}"
+                if self.kept
+                else f"no repeat had finished: nothing written to {self.out}"
+            )
+            raise KeyboardInterrupt(kept) from None
+
+
 def run_bench(
     names: list[str],
     *,
@@ -416,7 +471,7 @@ def run_bench(
     if rt.is_main:
         for line in cpu_warnings(device, configs):
             print(f"ddpgraph bench: {line}", file=sys.stderr, flush=True)
-    with Progress(disable=not rt.is_main) as progress:
+    with Progress(disable=not rt.is_main) as progress, Interruptible(out) as stop:
         task = progress.add_task("bench", total=len(configs) * len(modes) * repeats)
         for cfg in configs:
             batches = _batches(cfg, device)
@@ -427,13 +482,16 @@ def run_bench(
                 for mode in modes:
                     progress.update(task, description=f"{cfg.name}: {mode} ({r + 1}/{repeats})")
                     measured = run_mode(mode, cfg, device, batches, steps)
+                    stop.check()
                     if measured is not None:
                         run[mode] = measured
                     progress.advance(task)
                 runs.append(run)
+                # said first: a disk that refuses the JSON loses no result
                 progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
                 if rt.is_main:  # a run cut short by a time limit keeps its finished repeats
                     _write_json(results, out)
+                    stop.written(sum(len(c["runs"]) for c in results["configs"].values()))
     runtime.shutdown()
     if rt.is_main:
         write_outputs(results, out)
@@ -452,16 +510,19 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     """``out`` (JSON), and beside it the markdown table (.md) and the chart (.png, if matplotlib)."""
     from .report import chart, table_rows, to_markdown
 
-    _write_json(results, out)
     rows = table_rows(out.name, results)
     markdown = to_markdown(rows)
     if results.get("note"):
         markdown += f"\n\nNote: {results['note']}."
-    out.with_suffix(".md").write_text(markdown + "\n")
-    chart(rows, out.with_suffix(".png"))
-    print(markdown)
+    print(markdown)  # first: a file the disk refuses loses no result
+    _write_json(results, out)
+    write_file(out.with_suffix(".md"), markdown + "\n", fix=WRITE_FIX)
+    chart(rows, out.with_suffix(".png"), fix=WRITE_FIX)
+
+
+# What a bench run whose file could not be written can do besides freeing space.
+WRITE_FIX = "pass another --out (the results are printed above)"
 
 
 def _write_json(results: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    write_file(out, json.dumps(results, indent=2) + "\n", fix=WRITE_FIX)

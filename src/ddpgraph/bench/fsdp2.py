@@ -24,12 +24,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import write_file
 from .._typed_torch import cuda_stream
 from ..distributed import runtime
 from ..step import TrainStep
 from ..step.parallel.fsdp2 import shard_blocks
 from . import (
+    CPU_NOTE,
+    WRITE_FIX,
     BenchConfig,
+    Interruptible,
     _batches,
     _cycle,
     _Encoder,
@@ -222,23 +226,28 @@ def run_fsdp2(
         ),
         "configs": {},
     }
-    for cfg in configs:
-        batches = _batches(cfg, device)
-        runs: list[dict[str, Any]] = []
-        results["configs"][cfg.name] = {"runs": runs}
-        for r in range(repeats):
-            run = {mode: run_fsdp2_mode(mode, cfg, device, batches, steps) for mode in FSDP2_MODES}
-            runs.append(run)
-            if rt.is_main:
-                print(_line(cfg.name, r, repeats, run), file=sys.stderr, flush=True)
+    if rt.is_main and device.type != "cuda":
+        print(f"ddpgraph bench: warning: {CPU_NOTE}.", file=sys.stderr, flush=True)
+    with Interruptible(out) as stop:  # the JSON is written at the end: Ctrl-C keeps nothing
+        for cfg in configs:
+            batches = _batches(cfg, device)
+            runs: list[dict[str, Any]] = []
+            results["configs"][cfg.name] = {"runs": runs}
+            for r in range(repeats):
+                run = {}
+                for mode in FSDP2_MODES:
+                    run[mode] = run_fsdp2_mode(mode, cfg, device, batches, steps)
+                    stop.check()
+                runs.append(run)
+                if rt.is_main:
+                    print(_line(cfg.name, r, repeats, run), file=sys.stderr, flush=True)
     runtime.shutdown()
     if rt.is_main:
         _ratios(results)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=2) + "\n")
         markdown = _markdown(results) + f"\n\nNote: {results['note']}.\n"
-        out.with_suffix(".md").write_text(markdown)
-        print(markdown)
+        print(markdown)  # first: a file the disk refuses loses no result
+        write_file(out, json.dumps(results, indent=2) + "\n", fix=WRITE_FIX)
+        write_file(out.with_suffix(".md"), markdown, fix=WRITE_FIX)
     return results
 
 

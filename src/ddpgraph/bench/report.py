@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .._files import write_file
+
 MODE_TITLES = {
     "eager_ddp": "eager DDP",
     "compile_reduce_overhead": "compile reduce-overhead",
@@ -74,8 +76,10 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict[str, Any]], path: Path) -> bool:
-    """A bar chart of step time relative to eager DDP; False (and a note) without matplotlib."""
+def chart(rows: list[dict[str, Any]], path: Path, *, fix: str = "write it elsewhere") -> bool:
+    """A bar chart of step time relative to eager DDP; False (and a note) without matplotlib.
+
+    Written whole or not at all (``fix``: what the error says to do besides freeing space)."""
     try:
         import matplotlib
 
@@ -101,6 +105,9 @@ def chart(rows: list[dict[str, Any]], path: Path) -> bool:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        # a PNG named by its suffix: the partial file write_file hands over has another one
+        write_file(path, lambda partial: fig.savefig(partial, dpi=120, format="png"), fix=fix)
+    finally:
+        plt.close(fig)
     return True

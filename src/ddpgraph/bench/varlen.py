@@ -10,6 +10,7 @@ capturing (``whole_run_ms`` per step), the second is steady state (``median_ms``
 from __future__ import annotations
 
 import random
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from torch import nn
 from ..data import pad_batch
 from ..distributed import runtime
 from ..step import TrainStep
-from . import _fresh, _step_times, _summary, _write_json, environment
+from . import CPU_NOTE, Interruptible, _fresh, _step_times, _summary, _write_json, environment
 
 VARLEN_MODES = ("eager_ddp", "eager_ddp_padded", "compile_reduce_overhead", "train_step_buckets")
 
@@ -174,22 +175,48 @@ def run_varlen(*, repeats: int, quick: bool, out: Path) -> dict[str, Any]:
     }
     # quick: no Inductor (a CPU compile takes minutes), the other modes' code paths all run
     modes = [m for m in VARLEN_MODES if not (quick and m == "compile_reduce_overhead")]
-    for r in range(repeats):
-        run = {mode: run_varlen_mode(mode, cfg, rt.device, batches) for mode in modes}
-        eager = run["eager_ddp"]
-        for measured in run.values():
-            measured["vs_eager"] = measured["median_ms"] / eager["median_ms"]
-            if "peak_memory_mib" in measured:
-                measured["memory_vs_eager_padded"] = (
-                    measured["peak_memory_mib"] / run["eager_ddp_padded"]["peak_memory_mib"]
-                )
-        runs.append(run)
+    if rt.device.type != "cuda":
+        results["note"] = CPU_NOTE
         if rt.is_main:
-            line = ", ".join(
-                f"{m} {v['median_ms']:.2f} ms ({v['vs_eager']:.2f}x, whole run {v['whole_run_ms']:.1f})"
-                for m, v in run.items()
-            )
-            print(f"[bench varlen] {r + 1}/{repeats}: {line}", flush=True)
-            _write_json(results, out)
+            print(f"ddpgraph bench: warning: {CPU_NOTE}.", file=sys.stderr, flush=True)
+    with Interruptible(out) as stop:
+        for r in range(repeats):
+            _repeat(results, modes, cfg, rt, batches, stop)
+            if rt.is_main:  # said first: a disk that refuses the JSON loses no result
+                _say(r, repeats, results["runs"][-1])
+                _write_json(results, out)
+                stop.written(r + 1)
     runtime.shutdown()
     return results
+
+
+def _repeat(
+    results: dict[str, Any],
+    modes: list[str],
+    cfg: Any,
+    rt: runtime.Runtime,
+    batches: Any,
+    stop: Interruptible,
+) -> None:
+    """One run of every mode, with its ratios, appended to ``results["runs"]``."""
+    run = {}
+    for mode in modes:
+        run[mode] = run_varlen_mode(mode, cfg, rt.device, batches)
+        stop.check()
+    eager = run["eager_ddp"]
+    for measured in run.values():
+        measured["vs_eager"] = measured["median_ms"] / eager["median_ms"]
+        if "peak_memory_mib" in measured:
+            measured["memory_vs_eager_padded"] = (
+                measured["peak_memory_mib"] / run["eager_ddp_padded"]["peak_memory_mib"]
+            )
+    results["runs"].append(run)
+
+
+def _say(r: int, repeats: int, run: dict[str, Any]) -> None:
+    line = ", ".join(
+        f"{m} {v['median_ms']:.2f} ms ({v['vs_eager']:.2f}x, whole run "
+        f"{v['whole_run_ms']:.1f} ms per step)"
+        for m, v in run.items()
+    )
+    print(f"[bench varlen] {r + 1}/{repeats}: {line}", flush=True)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._files import why_not_written
 from .._globals import Global, process_global
 from .._log import get_logger
 from ..distributed.runtime import on_shutdown
@@ -310,24 +311,14 @@ def _write(save: _Save) -> None:
 
 def _not_written(caller: str, save: _Save, exc: BaseException) -> CheckpointWriteError:
     """The error of a save whose writes failed, its likely reason first: a full disk shows as
-    ENOSPC, or as torch's short-write check ("unexpected pos") in a shard's serialisation."""
-    cause = _first_cause(exc)
-    free = _free_mib(save.root)
-    full = "No space left" in cause or "unexpected pos" in cause or (free is not None and free < 1)
-    reason = "no space left on the device" if full else "the write failed"
-    room = "" if free is None else f"{free:.1f} MiB free; "
+    ENOSPC, or as torch's short-write check ("unexpected pos") in a shard's serialisation; a
+    read-only folder as EROFS or EACCES (no space to free there)."""
+    reason, remedy = why_not_written(save.root, _first_cause(exc))
     return CheckpointWriteError(
-        f"{caller} could not write the checkpoint of step {save.step} in {save.root}: {reason} "
-        f"({room}{cause}). Free space there or save elsewhere; the partial "
-        f"{save.partial.name} was removed and the older checkpoints are kept."
+        f"{caller} could not write the checkpoint of step {save.step} in {save.root}: {reason}. "
+        f"{remedy} or save elsewhere; the partial {save.partial.name} was removed and the older "
+        "checkpoints are kept."
     )
-
-
-def _free_mib(root: Path) -> float | None:
-    try:
-        return shutil.disk_usage(root).free / 2**20
-    except OSError:
-        return None
 
 
 def _remove_partial(save: _Save) -> None:
@@ -410,11 +401,10 @@ def _commit_on_rank0(save: _Save) -> str | None:
         _prune(root, save.keep_last)
     except OSError as exc:
         _remove_partial(save)
-        free = _free_mib(root)
-        room = "" if free is None else f" ({free:.1f} MiB free)"
+        reason, remedy = why_not_written(root, str(exc))
         return (
-            f"could not commit the checkpoint of step {save.step} in {root}{room}: {exc}; check "
-            "that the directory is writable and has space. The older checkpoints are kept."
+            f"could not commit the checkpoint of step {save.step} in {root}: {reason}. {remedy} "
+            "or save elsewhere; the older checkpoints are kept."
         )
     return None
 

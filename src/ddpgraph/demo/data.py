@@ -33,7 +33,8 @@ def synthetic_patterns(
         raise ValueError(f"num_samples={num_samples} must be at least 1")
     patterns = torch.randn((num_classes, *shape), generator=torch.Generator().manual_seed(seed))
     split_offset = {"train": 1, "eval": 2}[split]
-    gen = torch.Generator().manual_seed(seed * 1000 + split_offset)
+    # modulo torch's seed range (2**64), so that every seed --seed takes has a noise seed
+    gen = torch.Generator().manual_seed((seed * 1000 + split_offset) % 2**64)
     labels = torch.randint(num_classes, (num_samples,), generator=gen)
     inputs = patterns[labels] + noise * torch.randn((num_samples, *shape), generator=gen)
     return TensorDataset(inputs, labels)

@@ -55,8 +55,11 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
     if problem:
         _say(problem)
         return 2
-    for note in _notes(config):
+    for note in _notes(config, workers):
         _say(f"note: {note}")
+    # the workers import torch and build the data before their first line: seconds on a busy
+    # machine, which would otherwise be silence
+    _say(f"starting {workers} worker(s) ({_where(workers)}); --out {config.out}")
     # what an earlier run's workers left behind is not this run's news
     _take(config, INTERRUPTED)
     _take_failures(config)
@@ -207,9 +210,23 @@ def resume_command(config: TrainConfig, nproc: int | None) -> str:
     return " ".join(parts)
 
 
-def _notes(config: TrainConfig) -> list[str]:
+def _where(workers: int) -> str:
+    if torch.cuda.is_available():
+        return f"one GPU each, of {torch.cuda.device_count()}"
+    return "CPU, gloo"
+
+
+def _notes(config: TrainConfig, workers: int) -> list[str]:
     """What the run will do that its options alone do not show."""
     notes = []
+    per_epoch = TRAIN_SAMPLES // workers // config.batch_size
+    if config.data != "loader" and config.steps_per_replay > per_epoch:
+        # a replay gathers its batches from one epoch of the data (DeviceData's order)
+        notes.append(
+            f"--steps-per-replay {config.steps_per_replay} is more than the {per_epoch} batches "
+            f"of one epoch on each rank ({TRAIN_SAMPLES} samples / {workers} rank(s) / "
+            f"--batch-size {config.batch_size}): a replay takes {per_epoch} steps at most."
+        )
     every = config.checkpoint_every
     if every is not None and every >= config.last_step:
         notes.append(
@@ -312,6 +329,18 @@ def _check_fits_run(config: TrainConfig, workers: int) -> str | None:
 def _check_manifest_fits(
     config: TrainConfig, workers: int, found: Path, manifest: dict[str, Any]
 ) -> str | None:
+    saved = manifest["step"]
+    if config.stop_after is not None and config.stop_after <= saved < config.steps:
+        between = (
+            f"pass a --stop-after between {saved + 1} and {config.steps - 1}, or "
+            if saved + 1 < config.steps
+            else ""
+        )
+        return (
+            f"--stop-after {config.stop_after} is not after step {saved}, where {found} "
+            f"resumes: there would be nothing to train. {between.capitalize()}"
+            f"{'leave' if between else 'Leave'} it out to train to step {config.steps}."
+        )
     if manifest["step"] >= config.steps:
         return (
             f"{found} is the end of a finished run (step {manifest['step']} of --steps "

@@ -31,6 +31,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 import ddpgraph
 
 from .._debug import REPORTED, debug_requested
+from .._files import write_file
 from ..checkpoint import (
     CheckpointWriteError,
     ResumableLoader,
@@ -101,12 +102,14 @@ class _Interrupt:
     def __init__(self) -> None:
         self.signum: int | None = None
         self.step = 0  # the last step this rank finished
+        self.config: TrainConfig | None = None
 
     @property
     def seen(self) -> bool:
         return self.signum is not None
 
-    def install(self) -> None:
+    def install(self, config: TrainConfig) -> None:
+        self.config = config
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, self._handle)
 
@@ -114,6 +117,11 @@ class _Interrupt:
         if self.seen:
             return  # the second signal (SIGINT, then the launcher's SIGTERM): already stopping
         self.signum = signum
+        if self.config is not None:
+            # stop here: a KeyboardInterrupt raised in a finalizer or a weakref callback is only
+            # printed ("Exception ignored ...") and the rank would go on until the launcher's
+            # SIGKILL; nothing is unwound before exiting anyway (see _stop_interrupted)
+            _stop_interrupted(self.config)
         raise KeyboardInterrupt
 
 
@@ -126,7 +134,7 @@ def launched_worker(config: TrainConfig) -> dict[str, Any]:
     Ctrl-C stops it at once, without a traceback (rank 0 leaves the step for the launcher); a
     ddpgraph error is left as its message for the launcher (the traceback with --debug).
     """
-    _interrupt.install()
+    _interrupt.install(config)
     try:
         return run_worker(config)
     except BaseException as exc:
@@ -197,12 +205,26 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
         # each CPU rank gets its share of the cores instead of all ranks fighting over all of them
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    with ddpgraph.init(timeout=config.timeout) as rt:
+    with ddpgraph.init(timeout=config.timeout, stall_warning=stall_warning(config.timeout)) as rt:
         metrics = _train(config, rt)
         everyone = _gather(metrics)
         if rt.is_main:
             _report(config, everyone)
     return metrics
+
+
+# The ranks of a healthy run reach their first collectives up to a few tenths of a second apart
+# (each imports torch and builds its data on its own): no reason to warn of a stalled rank.
+STARTUP_SKEW_S = 5.0
+
+
+def stall_warning(timeout: float) -> float | None:
+    """When the watchdog warns of a slow rank: ddpgraph.init's default (None: a quarter of the
+    timeout, at most 60 s) unless that comes before :data:`STARTUP_SKEW_S`; then at 90 % of a
+    short --timeout, just before the run fails, so that a run that succeeds is not warned."""
+    if timeout / 4 >= STARTUP_SKEW_S:
+        return None
+    return min(STARTUP_SKEW_S, 0.9 * timeout)
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -529,8 +551,8 @@ def mode_text(metrics: dict[str, Any]) -> str:
 
 
 def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]]) -> Path:
-    """Write ``out/run.json`` atomically: a crash leaves the old file or none, never half of one."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Write ``out/run.json`` atomically: a crash or a full disk leaves the old file or none, never
+    half of one (:class:`~ddpgraph._files.OutputWriteError` says which)."""
     path = out / "run.json"
     accuracy = sum(m["accuracy"] for m in everyone) / len(everyone)
     payload = {
@@ -543,7 +565,8 @@ def write_run_json(out: Path, config: TrainConfig, everyone: list[dict[str, Any]
         "params_sha256": everyone[0]["params_sha256"],
         "ranks": everyone,
     }
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_file(
+        path,
+        json.dumps(payload, indent=2) + "\n",
+        fix="pass another --out (the metrics are in the table above)",
+    )

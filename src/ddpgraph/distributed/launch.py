@@ -49,6 +49,24 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else CPU_PROCESSES
 
 
+RANKS_PER_CORE = 4  # CPU ranks beyond this many per core only wait on each other (gloo)
+
+
+def local_capacity() -> tuple[int, str]:
+    """How many worker processes this machine can run at once, and why: one per visible GPU
+    (each rank binds its own), else a few per CPU core this process may use (CPU tests run 2-3
+    gloo ranks on 2 cores; thousands would exhaust the memory before the first step)."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        return count, f"{count} visible GPU(s), and each rank needs its own"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    why = (
+        f"{cores} CPU core(s) and no GPU, and {RANKS_PER_CORE} ranks per core at most: more "
+        "only wait on each other"
+    )
+    return max((cores or 1) * RANKS_PER_CORE, CPU_PROCESSES), why
+
+
 def run_local(
     fn: Callable[..., Any],
     *args: Any,
@@ -153,10 +171,24 @@ class _ShutdownNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         text = str(record.msg)
         if text.startswith("failed (exitcode: ") and isinstance(record.args, tuple):
-            return not (record.args and record.args[0] in self.reported_exits)
+            if record.args and record.args[0] not in self.reported_exits:
+                # a worker that died without a word (killed, or a crash): one line, not the
+                # agent's traceback of its own poll loop; the job's end or restart follows
+                code, local_rank = record.args[:2]
+                print(f"ddpgraph: worker {local_rank} ended ({_how(code)}); stopping the others",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            return False
         return not any(
             noise in text for noise in ("death signal", "Closing process", "Terminating process")
         )
+
+
+def _how(code: object) -> str:
+    """A worker's exit code in words: a negative one is the signal that killed it."""
+    if isinstance(code, int) and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -191,6 +223,7 @@ def torchrun_args(argv: Sequence[str]) -> argparse.Namespace:
     args = _parse(argv)
     _check_nproc_per_node(args.nproc_per_node)
     _check_nnodes(args.nnodes)
+    _check_world_size(args)
     _check_numbers(args)
     if args.no_python:
         raise ConfigError(
@@ -238,19 +271,58 @@ def _check_numbers(args: argparse.Namespace) -> None:
     """What torch's launcher asserts without a message, or meets only once it runs."""
     from torch.distributed.run import config_from_args
 
-    if not (math.isfinite(args.monitor_interval) and args.monitor_interval > 0):
+    if not (math.isfinite(args.monitor_interval) and 0 < args.monitor_interval < MAX_SECONDS):
         raise ConfigError(
             f"--monitor-interval {args.monitor_interval}: pass a positive number of seconds "
-            "(torchrun's default is 0.1)."
+            f"below {MAX_SECONDS:.0e} (torchrun's default is 0.1)."
         )
+    _check_range("--max-restarts", args.max_restarts, MAX_RESTARTS, "more is a crash loop")
+    _check_range("--shutdown-timeout", args.shutdown_timeout, MAX_SECONDS, "seconds")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port {args.master_port}: pass a TCP port, 1 to 65535.")
     if args.node_rank < 0:
         raise ConfigError(f"--node-rank {args.node_rank}: pass 0 or more (this node's rank).")
+    nodes = int(str(args.nnodes).split(":")[-1])  # checked by _check_nnodes: N or MIN:MAX
+    if args.node_rank >= nodes:
+        # the rendezvous would wait for nodes that never come instead of failing
+        raise ConfigError(
+            f"--node-rank {args.node_rank} is outside a job of --nnodes {args.nnodes} (node "
+            f"ranks 0 to {nodes - 1}); pass this node's rank in that range, or a larger --nnodes."
+        )
     try:
         config_from_args(args)  # its own checks: --max-restarts, --rdzv-conf, ...
     except (ValueError, AssertionError) as exc:
         raise ConfigError(
             f"{exc} (ddpgraph launch takes torchrun's options; see torchrun -h)"
         ) from None
+
+
+MAX_SECONDS = 10**9  # as ddpgraph.init's timeout: longer is a typo, and timers overflow
+MAX_RESTARTS = 1000
+
+
+def _check_range(flag: str, value: int | None, most: int, why: str) -> None:
+    if value is not None and not 0 <= value <= most:
+        raise ConfigError(f"{flag} {value}: pass 0 to {most} ({why}).")
+
+
+def _check_world_size(args: argparse.Namespace) -> None:
+    """Ranks are 32-bit ints in torch's c10d, and more local workers than GPUs (or cores) can run
+    only contend; both found before the rendezvous, which would wait or fail deep in torch."""
+    nodes = int(args.nnodes.split(":")[-1])
+    if args.nproc_per_node.isdigit():
+        most, what = local_capacity()
+        if int(args.nproc_per_node) > most:
+            raise ConfigError(
+                f"--nproc-per-node {args.nproc_per_node}: more worker processes than this "
+                f"machine runs ({what}); pass --nproc-per-node {most} or fewer."
+            )
+        nodes *= int(args.nproc_per_node)
+    if nodes > 2**31 - 1:
+        raise ConfigError(
+            f"--nnodes {args.nnodes}: a job of more than 2**31 - 1 ranks (torch's limit); pass "
+            "the number of nodes the job really has."
+        )
 
 
 def _check_nnodes(value: str) -> None:
@@ -297,3 +369,30 @@ def _check_script(script: str) -> None:
         raise ConfigError(
             f"script {script!r} is a directory without __main__.py; pass the Python file to run."
         )
+    if os.path.isfile(script):
+        _check_compiles(script)
+
+
+def _check_compiles(script: str) -> None:
+    """A file that is not Python (a text file, a shell script) would fail in every worker with
+    a SyntaxError traceback per rank; found once, here. A zip application runs as it is."""
+    import tokenize
+    import zipfile
+
+    if zipfile.is_zipfile(script):
+        return
+    try:
+        with tokenize.open(script) as file:  # its coding line or UTF-8, as Python reads it
+            compile(file.read(), script, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f" at line {exc.lineno}" if exc.lineno else ""
+        raise ConfigError(
+            f"script {script!r} is not Python ({type(exc).__name__}{where}: {exc.msg}); pass "
+            f"the Python file to run, e.g. `{USAGE_EXAMPLE}`."
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:  # binary, or NUL bytes
+        raise ConfigError(
+            f"script {script!r} is not Python source ({exc}); pass the Python file to run."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"script {script!r} cannot be read ({exc.strerror or exc}).") from None

@@ -148,6 +148,11 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
         if not names:
             raise ValueError("TrainStep got an empty mapping; pass the model's keyword inputs.")
         return Batch("mapping", names, tuple(mapping[n] for n in names))
+    if len(args) == 1 and isinstance(args[0], (list, tuple)):
+        raise TypeError(
+            f"TrainStep got one {type(args[0]).__name__} of {len(args[0])} item(s), not tensors; "
+            "unpack it: step(*batch), e.g. step(x, y) for a batch (x, y)."
+        )
     if len(args) < min_positional:
         raise ValueError(
             f"TrainStep got {len(args)} tensor(s); call step(*inputs, target), e.g. step(x, y), "
@@ -160,7 +165,11 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
 
 def _require_tensor(value: object, what: str) -> None:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what} is a {type(value).__name__}, not a tensor.")
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        raise TypeError(
+            f"{what} is {type(value).__name__} {shown}, not a tensor; pass tensors, e.g. "
+            "torch.as_tensor(value), or batches from a DataLoader."
+        )
 
 
 def describe(signature: Signature) -> str:
@@ -173,13 +182,14 @@ def describe(signature: Signature) -> str:
     return ", ".join(parts)
 
 
-def differences(new: Signature, known: Signature) -> str:
-    """What changed from ``known`` to ``new``, naming each entry (key or position)."""
+def differences(new: Signature, known: Signature, *, known_as: str = "captured") -> str:
+    """What changed from ``known`` to ``new``, naming each entry (key or position); ``known_as``
+    says what ``known`` is (a captured batch, or the first one where nothing is captured)."""
     if new[:2] != known[:2]:
         return f"the entries changed from {list(known[1])} to {list(new[1])}"
     changed = [
         f"{_entry(new[0], name)} {tuple(a[0])} {str(a[1]).removeprefix('torch.')} "
-        f"(captured {tuple(b[0])} {str(b[1]).removeprefix('torch.')})"
+        f"({known_as} {tuple(b[0])} {str(b[1]).removeprefix('torch.')})"
         for name, a, b in zip(new[1], new[2], known[2])
         if a != b
     ]

@@ -158,6 +158,14 @@ class StepBody:
         if self.loss_fn is None:
             return model_loss(output), output
         target = batch.as_mapping() if batch.kind == "mapping" else batch.tensors[-1]
+        if batch.kind == "mapping" and isinstance(self.loss_fn, nn.modules.loss._Loss):
+            # torch's loss modules take tensors: theirs would be "must be Tensor, not dict"
+            raise TypeError(
+                f"loss_fn={type(self.loss_fn).__name__}() with a mapping batch gets (output, "
+                "batch), the whole mapping as its target, which it cannot take. Pass "
+                "loss_fn=lambda output, batch: nn.functional.cross_entropy(output, "
+                "batch['labels']) (your keys), or loss_fn=None for a model that returns its loss."
+            )
         return self.loss_fn(output, target), output
 
     def forward(self, model: nn.Module, batch: Batch, *, target: bool = True) -> Any:

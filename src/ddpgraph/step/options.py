@@ -213,6 +213,12 @@ def _check_choice(name: str, value: object, choices: Sequence[str]) -> None:
 
 def model_device(model: nn.Module) -> torch.device:
     devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ConfigError(
+            f"TrainStep got a model with no parameters ({type(model).__name__}): there is "
+            "nothing to train. Pass the module that holds the trainable parameters (the whole "
+            "network, not one of its parameter-free layers)."
+        )
     if len(devices) != 1:
         found = sorted(map(str, devices)) or ["no parameters"]
         raise ConfigError(

@@ -259,10 +259,15 @@ class CapturePolicy:
         if self._reference is None:
             self._reference = signature
         elif signature != self._reference:
+            # "its graph" only where there is one: on the CPU the step runs eagerly, and the
+            # check holds the batches to the first shape after warm-up all the same
+            graphed = self.graphs is not None
+            held = "its graph is for" if graphed else "it holds batches of"
             raise ValueError(
-                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but its "
-                f"graph is for {describe(self._reference)} (changed: "
-                f"{differences(signature, self._reference)}); pad batches to one shape "
+                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but "
+                f"{held} {describe(self._reference)} (the first after warm-up; changed: "
+                f"{differences(signature, self._reference, known_as='captured' if graphed else 'was')}"
+                "); pad batches to one shape "
                 "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
             )
 
