@@ -305,3 +305,17 @@ def grad_norm_vs_ddp(steps: int) -> dict:
         theirs.append(torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5))
         opt.step()
     return {"ours": ours, "theirs": theirs, "replays": step.report().replays}
+
+
+def uneven_calls(graphed: bool) -> str:
+    """Rank 1 has one batch fewer and finishes while rank 0 is in its last step's all-reduce."""
+    from ddpgraph.testing import CpuGraphs
+
+    rank = torch.distributed.get_rank()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = {"engine": CpuGraphs(), "warmup": 2} if graphed else {}
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), **engine)
+    for x, y in batches(6 if rank == 0 else 5, 8):
+        step(x, y)
+    return "finished"

@@ -455,3 +455,20 @@ def test_ddp_mapping_batches_match_tuple_batches_on_two_ranks():
             assert torch.equal(a, b)
     for a, b in zip(results[0]["mapping"], results[1]["mapping"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cpu-graphs"])
+def test_ranks_with_different_numbers_of_calls_are_told_so_not_gloos_closed_connection(graphed):
+    from ddpgraph import DistributedStateError
+
+    results = run_distributed(
+        step_workers.uneven_calls, 2, args=(graphed,), timeout=240, return_exceptions=True
+    )
+    first, second = results
+    assert second == "finished"  # the rank with fewer batches cannot know
+    assert isinstance(first, DistributedStateError), first
+    message = str(first)
+    assert message.startswith("TrainStep call 6 on rank 0: a peer rank left"), message
+    assert "the same number of times" in message and "drop_last=True" in message
+    assert "by peer" in message  # gloo's own line ("Connection closed/reset by peer"), quoted
