@@ -149,6 +149,7 @@ def test_state_dict_round_trip_resumes_exactly():
         ({"warmup": True}, "warmup=True must be an integer >= 1"),
         ({"channels_last": "yes"}, "channels_last='yes' must be True or False"),
         ({"sync_every_call": 1}, "sync_every_call=1 must be True or False"),
+        ({"sync_every_call": True}, "sync_every_call=True with accumulate_calls=1 changes nothing"),
     ],
 )
 def test_bad_options_fail_at_construction(kwargs, message):

@@ -167,6 +167,11 @@ class StepOptions:
                 f"sync_every_call={self.sync_every_call!r} must be True or False (True: every "
                 "accumulate_calls micro-batch syncs its gradients, as a script without no_sync)."
             )
+        if self.sync_every_call and self.accumulate_calls == 1:
+            raise ConfigError(
+                "sync_every_call=True with accumulate_calls=1 changes nothing (every call already "
+                "syncs); pass accumulate_calls=k for the script's own accumulation, or drop it."
+            )
         if not isinstance(self.check_finite, bool):
             raise ConfigError(f"check_finite={self.check_finite!r} must be True or False.")
         if self.check_finite and self.amp == "fp16":
