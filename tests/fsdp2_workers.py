@@ -62,9 +62,17 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]  # type: ignore[operator]
 
 
-def plain_loop(steps: int, calls: int = 1, split: int = 1, clip: float | None = None) -> dict:
+def plain_loop(
+    steps: int,
+    calls: int = 1,
+    split: int = 1,
+    clip: float | None = None,
+    sync_every_call: bool = False,
+) -> dict:
     """The FSDP2 loop a script writes: ``calls`` micro-batches per optimizer step (no gradient
-    sync on all but the last), or one batch split in ``split``; AdamW; clipping."""
+    sync on all but the last, or with ``sync_every_call`` a sync on every backward, as a script
+    that never calls set_requires_gradient_sync), or one batch split in ``split``; AdamW;
+    clipping."""
     model = shard(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss_fn = nn.CrossEntropyLoss()
@@ -74,7 +82,7 @@ def plain_loop(steps: int, calls: int = 1, split: int = 1, clip: float | None = 
         last_call = i % calls == calls - 1
         total = torch.zeros(())
         for j, (xs, ys) in enumerate(zip(x.chunk(split), y.chunk(split))):
-            sync = last_call and j == split - 1
+            sync = (last_call or sync_every_call) and j == split - 1
             model.set_requires_gradient_sync(sync)
             loss = loss_fn(model(xs), ys)
             (loss / (split * calls)).backward()
@@ -100,6 +108,7 @@ def train_step_run(
     user_sharded: bool = True,
     fail_rank: int | None = None,
     warmup: int = 3,
+    sync_every_call: bool = False,
 ) -> dict:
     """The same training through TrainStep: a user-sharded model, or parallel='fsdp2'."""
     rank = dist.get_rank()
@@ -116,6 +125,7 @@ def train_step_run(
         warmup=warmup,
         engine=CpuGraphs(fail=fail) if engine else None,
         parallel="auto" if user_sharded else "fsdp2",
+        sync_every_call=sync_every_call,
     )
     losses = [float(step(x, y)) for x, y in batches(steps * calls)]
     report = step.report()

@@ -41,6 +41,20 @@ def test_train_step_on_a_user_sharded_model_is_bitwise_the_plain_fsdp2_loop(call
         _same(graphed[rank]["params"], plain[rank]["params"])
 
 
+def test_sync_every_call_on_fsdp2_is_bitwise_the_loop_that_never_turns_the_sync_off():
+    """A script that accumulates by hand on FSDP2 without set_requires_gradient_sync(False)
+    reduce-scatters every micro-batch's gradients; sync_every_call=True does the same."""
+    steps, calls = 6, 2
+    plain = run_distributed(w.plain_loop, 2, args=(steps, calls, 1, None, True), timeout=200)
+    kwargs = (steps, calls, 1, None, True, True, None, 3, True)
+    graphed = run_distributed(w.train_step_run, 2, args=kwargs, timeout=200)
+    for rank in range(2):
+        assert graphed[rank]["phase"] == "graphed", graphed[rank]["fallbacks"]
+        assert graphed[rank]["replays"] > 0
+        assert graphed[rank]["losses"] == plain[rank]["losses"]
+        _same(graphed[rank]["params"], plain[rank]["params"])
+
+
 def test_parallel_fsdp2_shards_each_block_then_the_root_and_trains_as_the_plain_loop():
     plain = run_distributed(w.plain_loop, 2, args=(5,), timeout=200)
     mine = run_distributed(w.train_step_run, 2, args=(5, 1, 1, None, True, False), timeout=200)
