@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -10,10 +9,9 @@ import torch
 
 from .._frames import PACKAGE_DIR, in_directories, line_outside
 from ..errors import ConfigError
+from ..step.graphs import TORCH_DIR
 
 __all__ = ["OptimizerView", "refuse_script_steps", "scaler_reports_skips"]
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def scaler_reports_skips(optimizer: torch.optim.Optimizer) -> bool:
@@ -101,7 +99,7 @@ def refuse_script_steps(optimizer: torch.optim.Optimizer, owner: str) -> None:
     def pre_hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not _called_by_ddpgraph():
             raise ConfigError(
-                f"the script calls optimizer.step() itself, at {line_outside(_TORCH_DIR, PACKAGE_DIR)}"
+                f"the script calls optimizer.step() itself, at {line_outside(TORCH_DIR, PACKAGE_DIR)}"
                 f", but {owner} updates this optimizer inside each step call (the window's last "
                 "with accumulate_calls): remove that line and its optimizer.zero_grad(); where it "
                 "was conditional (`if step % k == 0 or last:`), pass accumulate_calls=k and "
@@ -114,7 +112,7 @@ def refuse_script_steps(optimizer: torch.optim.Optimizer, owner: str) -> None:
 def _called_by_ddpgraph() -> bool:
     """Whether the first caller outside torch (the optimizer's step wrapper) is ddpgraph's."""
     frame = sys._getframe(2)  # above the pre-hook: torch's step wrapper
-    in_torch = in_directories(_TORCH_DIR)
+    in_torch = in_directories(TORCH_DIR)
     while frame.f_back is not None and in_torch(frame):
         frame = frame.f_back
     return in_directories(PACKAGE_DIR)(frame)

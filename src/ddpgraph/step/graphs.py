@@ -423,8 +423,9 @@ def library_frame(frames: Sequence[traceback.FrameSummary]) -> str | None:
 
 # torch's and ddpgraph's directories by path (a virtual environment can be named torch), and
 # the warnings module, through which a sync report arrives
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 SKIPPED_DIRS = (
-    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    TORCH_DIR,
     PACKAGE_DIR,
     os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "warnings.py",
 )

@@ -16,7 +16,7 @@ from torch import nn
 from ..data.device_data import DeviceData, on_epoch_end
 from ..distributed import watchdog
 from ..errors import ConfigError, DistributedStateError, explain_exception, first_line
-from .batch import Batch, make_batch
+from .batch import make_batch
 from .body import LossFn, StepBody
 from .engine import GraphEngine, NoCuda, build_graphs
 from .feed import DataFeed
@@ -207,7 +207,12 @@ class TrainStep(FromFrameworks):
         self._report.steps += 1
         self._policy.check_shape(batch)
         last = self._loop_ends_window(self._policy.window, last)
-        return self._checked(self._train(batch, 1, last))
+        try:  # no frame of its own: this is the replayed path
+            loss = self._policy.train(batch, 1, last=last)
+        except RuntimeError as exc:
+            _raise_if_peer_gone(exc, self._report.steps)
+            raise
+        return self._checked(loss)
 
     def update(self) -> None:
         """``defer_update=True``: the optimizer step on the synced window, in place of the script's
@@ -230,18 +235,12 @@ class TrainStep(FromFrameworks):
         n = self._feed.steps_of(data, steps)
         self._policy.check_shape(self._feed.full_batch(data))
         with self._feed.call(data, n, self._report) as batch:
-            loss = self._train(batch, n, False)
-        return self._checked(loss)
-
-    def _train(self, batch: Batch, steps: int, last: bool) -> torch.Tensor:
-        """The policy's training call; a peer gone from the step's collective is named as such."""
-        try:
-            return self._policy.train(batch, steps, last=last)
-        except RuntimeError as exc:
-            gone = _peer_gone(exc, self._report.steps)
-            if gone is None:
+            try:
+                loss = self._policy.train(batch, n)
+            except RuntimeError as exc:
+                _raise_if_peer_gone(exc, self._report.steps)
                 raise
-            raise gone from exc
+        return self._checked(loss)
 
     def evaluate(self, *args: Any) -> Any:
         """The model's forward in eval mode without gradients: ``step.evaluate(x)`` or
@@ -342,19 +341,19 @@ def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
     return torch.compile(model, **kwargs)  # type: ignore[return-value]
 
 
-def _peer_gone(exc: RuntimeError, calls: int) -> DistributedStateError | None:
-    """A collective of the step whose peer is gone (gloo: "Connection closed by peer"). A rank
-    that crashed shows its own error; one that simply finished made fewer calls than this one,
-    which nothing else names."""
+def _raise_if_peer_gone(exc: RuntimeError, calls: int) -> None:
+    """A collective of the step whose peer is gone (gloo: "Connection closed by peer") raises
+    what it most often means. A rank that crashed shows its own error; one that simply finished
+    made fewer calls than this one, which nothing else names."""
     known = explain_exception(exc)
     if known is None or known.id != "peer-gone":
-        return None
+        return
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    return DistributedStateError(
+    raise DistributedStateError(
         f"TrainStep call {calls} on rank {rank}: a peer rank left the step's gradient "
         f"all-reduce ({first_line(exc)}). Either it crashed (its log shows the first error) or "
         "it finished its loop after fewer calls: every rank must call step() the same number "
         "of times; give each rank the same number of batches (DistributedSampler(..., "
         "drop_last=True), or stop every rank at the same step) and call ddpgraph.shutdown() on "
         "every rank only after its loop."
-    )
+    ) from exc
