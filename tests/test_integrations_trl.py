@@ -69,3 +69,18 @@ def test_dpo_trainer_through_graph_trainer_is_bit_for_bit_the_plain_dpo_run(tmp_
     assert "mode=graphed" in report and "replays=0" not in report, report
     # DPO's own metrics (rewards, log-probabilities), gathered inside the step, were logged
     assert {"rewards/margins", "logps/chosen"} <= set(runs[0]["graphed"]["logs"][0])
+
+
+@pytest.mark.timeout(RUN_S + 60)
+def test_sft_on_trls_cuda_branch_is_refused_at_capture_naming_the_boolean_mask_line(tmp_path):
+    """On the H100 (5713d53) graphed(SFTTrainer) replayed 0 of 200 steps: the capture failed at
+    TRL's ``hidden_states[mask] if compact`` (trl/trainer/utils.py), taken on CUDA only. The CPU
+    engine refuses it the same way once the test takes that branch."""
+    result = run_distributed(
+        workers.run_sft_on_the_cuda_branch, 1, args=(str(tmp_path),), timeout=RUN_S
+    )[0]
+    report = result["report"]
+    assert "replays=0" in report and "mode=eager" in report, report
+    assert "operation not permitted when stream is capturing" in report
+    assert "trl/trainer/utils.py" in report and "hidden_states[mask] if compact" in report
+    assert "data-dependent shape" in report

@@ -173,3 +173,15 @@ def run_dpo_modes(out: str) -> dict[str, Any]:
     import os
 
     return {mode: run_dpo(os.path.join(out, mode), mode) for mode in ("plain", "graphed")}
+
+
+def run_sft_on_the_cuda_branch(out: str) -> dict[str, Any]:
+    """``graphed(SFTTrainer)`` with TRL's loss on the branch it takes on CUDA: TRL chooses the
+    compact path (``hidden_states[mask] if compact``, trl/trainer/utils.py) when
+    ``_use_triton(device)`` says the device runs Triton (trl/kernels/chunked_logprob.py: CUDA or
+    XPU with triton installed). The name is rebound where the loss reads it; the kernel itself
+    keeps its torch implementation."""
+    import trl.trainer.utils as trl_utils
+
+    trl_utils._use_triton = lambda device: True  # type: ignore[attr-defined]
+    return run_sft(out, "graphed", pad_to_multiple_of=8, max_steps=16, logging_steps=8)

@@ -1,10 +1,14 @@
-"""The CPU stand-in graph engine: the real TrainStep policy without CUDA, for CI and dry runs.
+"""The CPU graph engine: a CUDA graph's semantics without CUDA, for CI and dry runs.
 
-``TrainStep(..., engine=CpuGraphs(fail=...))`` (also ``ddpgraph.testing.CpuGraphs``) gives the
-step :class:`FakeGraphs`: capturing records the body (running nothing, like a real capture) and
-replaying copies the batch into the static inputs and runs the body. So warm-up, capture,
-every-rank agreement, replay, fallback, new shapes, modes, the replay guard and close run on the
-CPU, and ``fail`` makes chosen captures fail (on chosen ranks).
+``TrainStep(..., engine=CpuGraphs())`` (also ``ddpgraph.testing.CpuGraphs``) gives the step
+:class:`CpuGraphSet`: a capture records the tensor operations of the captured call
+(:mod:`~ddpgraph.step.recording`: forward, autograd's backward, the optimizer, the collectives)
+and refuses what CUDA capture refuses, with CUDA's error; a replay runs only those operations on
+the same tensors. The Python of the body, autograd, hooks and host reads run at capture only, as
+on the GPU. The optimizer takes its CUDA path (``capturable=True``, the LR in a tensor, fused SGD):
+torch gates ``capturable`` on the CPU only by a device list, which making an optimizer graph-safe
+on the CPU extends for the process (:func:`~ddpgraph.step.optim.make_graph_safe`). ``fail(key)`` makes chosen captures fail (on chosen ranks) before recording,
+for tests of the fallback and of every rank's agreement.
 """
 
 from __future__ import annotations
@@ -15,37 +19,24 @@ from typing import Any
 import torch
 
 from .batch import Batch, GraphKey
-from .graphs import (
-    CapturedGraph,
-    CaptureFailure,
-    Graphs,
-    Parameters,
-    Replayed,
-    ReplayGuard,
-)
-from .optim import GraphSafeOptimizer, graph_safety_problem
+from .graphs import CapturedGraph, CaptureFailure, Graphs, Parameters, Replayed, ReplayGuard
+from .optim import plan_graph_safety
+from .recording import Program, record
 
-__all__ = ["CpuGraphs", "FakeGraphs"]
+__all__ = ["CpuGraphSet", "CpuGraphs"]
 
 FailWhen = Callable[[GraphKey], bool]
 
 
-class _NoLR(GraphSafeOptimizer):
-    """The CPU run keeps the optimizer as it is: there is no LR tensor to sync."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(optimizer, [], [])
-
-    def sync_lr(self) -> None:
-        pass
-
-
 class CpuGraphs:
-    """The engine: :class:`FakeGraphs` for an optimizer that CUDA could graph, else the reason.
+    """The engine: :class:`CpuGraphSet` over the optimizer made graph-safe as on CUDA, or why it
+    cannot be.
 
     ``fail(key)`` makes the capture of that :class:`~ddpgraph.step.batch.GraphKey` fail (e.g.
     ``lambda key: rank == 1`` fails every capture on rank 1).
     """
+
+    name = "cpu-recorded"
 
     def __init__(self, fail: FailWhen = lambda key: False) -> None:
         self.fail = fail
@@ -58,21 +49,21 @@ class CpuGraphs:
         *,
         fp16: bool,
     ) -> Graphs | str:
-        problem = graph_safety_problem(optimizer)
-        if problem is not None:
-            return problem
-        return FakeGraphs(parameters, optimizer, self.fail)
+        plan = plan_graph_safety(optimizer, device, fp16=fp16)
+        if isinstance(plan, str):
+            return plan
+        return CpuGraphSet(parameters, plan, self.fail)
 
 
-class FakeGraphs(Graphs):
-    """Graphs whose "graph" is the recorded body, replayed by running it."""
+class CpuGraphSet(Graphs):
+    """Graphs whose graph is a recorded :class:`~ddpgraph.step.recording.Program`."""
 
-    def __init__(
-        self, parameters: Parameters, optimizer: torch.optim.Optimizer, fail: FailWhen
-    ) -> None:
-        super().__init__(None, parameters, _NoLR(optimizer))
+    engine = CpuGraphs.name
+
+    def __init__(self, parameters: Parameters, plan: Any, fail: FailWhen) -> None:
+        super().__init__(None, parameters, plan)
         self._fail = fail
-        self._bodies: dict[GraphKey, Callable[[Batch], Any]] = {}
+        self._programs: dict[GraphKey, Program] = {}
         self.captured_keys: list[GraphKey] = []  # every capture, in order (tests read it)
 
     def capture(
@@ -82,9 +73,15 @@ class FakeGraphs(Graphs):
             self.uncapturable.add(key)
             return CaptureFailure(f"capture failed: FakeCaptureError: injected for {key!r}")
         static = batch.with_tensors([t.clone() for t in batch.tensors])
-        captured = CapturedGraph(None, static.tensors, None)
+        self.plan.sync_lr()  # as on CUDA: the LR is read from its tensor, never filled inside
+        try:
+            output, program = record(lambda: body(static))
+        except Exception as exc:
+            self.uncapturable.add(key)
+            return CaptureFailure(_first_capture_error(exc))
+        captured = CapturedGraph(None, static.tensors, output)
         self._graphs[key] = captured
-        self._bodies[key] = body
+        self._programs[key] = program
         self.captured_keys.append(key)
         if self.guard is None:
             self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
@@ -95,20 +92,29 @@ class FakeGraphs(Graphs):
         captured = self._graphs.get(key)
         if captured is None:
             return Replayed(None, findings)
+        self.plan.sync_lr()
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
-        output = self._bodies[key](batch.with_tensors(captured.static_inputs))
-        return Replayed(output, findings, replayed=True)
+        self._programs[key].replay()
+        return Replayed(captured.output, findings, replayed=True)
 
     def make_optimizer_safe_again(self) -> None:
-        pass  # the CPU run keeps the optimizer as the script built it
+        from .optim import make_graph_safe
+
+        make_graph_safe(self.plan.optimizer, torch.device("cpu"))
 
     def drop(self, role: Any) -> int:
         dropped = super().drop(role)
-        self._bodies = {k: v for k, v in self._bodies.items() if k in self._graphs}
+        self._programs = {k: v for k, v in self._programs.items() if k in self._graphs}
         return dropped
 
     def close(self) -> None:
         self._graphs.clear()
-        self._bodies.clear()
+        self._programs.clear()
         self.guard = None
+
+
+def _first_capture_error(exc: BaseException) -> str:
+    from .graphs import first_capture_error
+
+    return first_capture_error(exc)

@@ -127,6 +127,8 @@ class Graphs:
     the graphs' to guard; a re-capture reads them again).
     """
 
+    engine = "cuda-graphs"  # what report().engine names
+
     def __init__(
         self,
         stream: torch.cuda.Stream | None,

@@ -11,6 +11,8 @@ seen by the replayed kernels without a re-capture.
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
@@ -68,6 +70,8 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
     problem = graph_safety_problem(optimizer)
     if problem is not None:
         raise CaptureError(problem)
+    if device.type == "cpu":
+        allow_capturable_on_cpu()  # the CPU graph engine steps the optimizer as CUDA does
     changes: list[str] = []
     for group in optimizer.param_groups:
         if "capturable" in group:
@@ -86,6 +90,26 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
         changes.append(LR_CHANGE)  # a script that gave a device tensor LR keeps it
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
+
+
+@functools.cache
+def allow_capturable_on_cpu() -> None:
+    """Let the CPU into torch's capturable device list, once per process.
+
+    The list is torch's only gate on the CPU (the capturable arithmetic is device-independent
+    code), and the CPU graph engine must step the optimizer as a CUDA graph does. Every optimizer
+    module imported the function by name, so each reference is replaced."""
+    from torch.optim import optimizer as base
+
+    original = base._get_capturable_supported_devices
+
+    def with_cpu(supports_xla: bool = True) -> list[str]:
+        return [*original(supports_xla), "cpu"]
+
+    optimizers = [m for name, m in sys.modules.items() if name.startswith("torch.optim.")]
+    for module in optimizers:
+        if getattr(module, "_get_capturable_supported_devices", None) is original:
+            module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]
 
 
 def graph_safety_problem(optimizer: torch.optim.Optimizer) -> str | None:

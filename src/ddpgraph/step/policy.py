@@ -413,7 +413,9 @@ class CapturePolicy:
         loss: torch.Tensor
         loss, self.output, self.grad_norm = replayed.output
         self.report.replays += 1
-        return loss
+        # a copy the script may keep (as an eager step's): the next replay overwrites the graph's
+        # own, and scripts append losses to a list and average them at the end of a window
+        return loss.clone()
 
     def _note_changes(self, replayed: Replayed) -> None:
         news = replayed.findings.changes

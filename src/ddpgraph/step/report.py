@@ -47,12 +47,16 @@ class StepReport:
     steps_per_replay: int = 1  # training steps in one replay (step(data) with steps_per_replay)
     skipped_steps: int | None = None  # fp16: optimizer steps skipped for inf/NaN gradients
     time_to_first_replay: float | None = None  # seconds from construction to the first replay
+    # what captured and replayed: "cuda-graphs", the CPU engine's "cpu-recorded", None (eager)
+    engine: str | None = None
 
     def __str__(self) -> str:
         lines = [
             f"mode={self.mode} steps={self.steps} eager={self.eager_steps} "
             f"replays={self.replays} warm-up={self.warmup_steps}"
         ]
+        if self.engine is not None:
+            lines[0] += f" engine={self.engine}"
         if self.steps_per_replay > 1:
             lines[0] += f" steps/replay={self.steps_per_replay}"
         if self.evaluations:

@@ -142,6 +142,7 @@ class TrainStep(FromFrameworks):
         self._body.feed = self._feed
         if isinstance(graphs, Graphs):
             self._report.optimizer_changes = list(graphs.plan.described)
+            self._report.engine = graphs.engine
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):

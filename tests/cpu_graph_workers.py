@@ -1,0 +1,48 @@
+"""Module-level workers for tests/test_cpu_graphs.py's multi-process tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddpgraph import TrainStep
+from ddpgraph.step.optim import make_graph_safe
+from ddpgraph.testing import CpuGraphs
+
+from .step_workers import batches
+
+
+def _batchnorm_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def ddp_batchnorm_replays() -> dict:
+    """TrainStep with the CPU engine against the script's own DDP loop (the same graph-safe
+    AdamW): every rank's own data, BatchNorm's buffers broadcast from rank 0 each forward."""
+    rank = dist.get_rank()
+    data = batches(20, 8, seed=1 + rank)
+    model = _batchnorm_model()
+    step = TrainStep(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        engine=CpuGraphs(),
+    )  # fmt: skip
+    for x, y in data:
+        step(x, y)
+    ref = _batchnorm_model()
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    make_graph_safe(opt, torch.device("cpu"))
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    params = zip(model.parameters(), ref.parameters(), strict=True)
+    buffers = zip(model.buffers(), ref.buffers(), strict=True)
+    return {
+        "replays": step.report().replays,
+        "max_param_diff": max(float((a - b).abs().max()) for a, b in params),
+        "max_buffer_diff": max(float((a - b).abs().max().float()) for a, b in buffers),
+        "checksum": float(sum(p.double().sum() for p in model.parameters())),
+    }

@@ -1,0 +1,340 @@
+"""The CPU engine judges like the GPU (issue 47): a capture records the tensor operations of the
+call and a replay runs only those, on the same tensors; capture refuses what CUDA capture refuses
+with CUDA's error and ``explain``'s cause; the optimizer takes its CUDA path.
+
+Each test here failed on the old stand-in, which "replayed" by running the Python body again."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from ddpgraph import TrainStep
+from ddpgraph.step.optim import make_graph_safe
+from ddpgraph.step.recording import CUDA_CAPTURE_ERROR, CaptureRefused, record
+from ddpgraph.testing import CpuGraphs, run_distributed
+
+from . import cpu_graph_workers as workers
+from .step_workers import batches, make_model
+
+pytestmark = pytest.mark.timeout(180)
+
+WARMUP = 12
+
+
+def graphed(model, opt, loss_fn, **kwargs):
+    return TrainStep(model, opt, loss_fn, engine=CpuGraphs(), **kwargs)
+
+
+def sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def eager_reference(data, make_opt, loss_fn=None, each=None):
+    """The script's own loop with the optimizer the step steps (graph-safe: fused SGD or
+    capturable AdamW, the LR in a tensor), as the GPU tests compare."""
+    model = make_model()
+    opt = make_opt(model)
+    make_graph_safe(opt, torch.device("cpu"))
+    loss_fn = loss_fn or nn.functional.cross_entropy
+    losses = []
+    for i, (x, y) in enumerate(data):
+        if each is not None:
+            each(i, opt)
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return model, losses
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), (p - q).abs().max()
+
+
+# ---------------------------------------------------------------- host code runs at capture only
+def test_python_in_the_loss_runs_in_warm_up_and_capture_but_not_in_replays():
+    calls = []
+
+    def counting_loss(out, y):
+        calls.append(1)
+        return nn.functional.cross_entropy(out, y)
+
+    model = make_model()
+    step = graphed(model, sgd(model), counting_loss)
+    for x, y in batches(20, 8):
+        step(x, y)
+    assert step.report().replays == 20 - WARMUP
+    assert len(calls) == WARMUP + 1  # 12 eager steps and the capture; no replay runs Python
+
+
+def test_a_python_float_read_by_the_loss_keeps_its_value_at_capture():
+    scale = {"value": 1.0}
+
+    def scaled_loss(out, y):
+        return nn.functional.cross_entropy(out, y) * scale["value"]
+
+    model = make_model()
+    step = graphed(model, sgd(model), scaled_loss)
+    data = batches(20, 8)
+    for i, (x, y) in enumerate(data):
+        scale["value"] = float(i)  # the script changes it every step
+        loss = step(x, y)
+    # the last replay used the capture's value (12.0), as a CUDA graph does
+    ref_model = make_model()
+    ref_opt = sgd(ref_model)
+    make_graph_safe(ref_opt, torch.device("cpu"))
+    for i, (x, y) in enumerate(data):
+        ref_opt.zero_grad(set_to_none=False)
+        ref = nn.functional.cross_entropy(ref_model(x), y) * float(min(i, WARMUP))
+        ref.backward()
+        ref_opt.step()
+    assert torch.equal(loss, ref.detach())
+    assert_same_parameters(model, ref_model)
+
+
+def test_host_code_outside_the_graph_still_runs_on_every_call_the_lr_sync():
+    """A scheduler's LR reaches each replay through the LR tensor, synced before each replay."""
+    model = make_model()
+    opt = sgd(model)
+    step = graphed(model, opt, nn.CrossEntropyLoss())
+    data = batches(24, 8)
+
+    def decay(i, o):
+        for group in o.param_groups:
+            group["lr"] = 0.1 * 0.9**i
+
+    for i, (x, y) in enumerate(data):
+        decay(i, opt)
+        step(x, y)
+    ref, _ = eager_reference(data, sgd, each=decay)
+    assert step.report().replays == 24 - WARMUP
+    assert_same_parameters(model, ref)
+
+
+# ---------------------------------------------------------------- static outputs
+def test_a_graph_output_kept_across_calls_is_overwritten_as_on_cuda():
+    model = make_model()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss())
+    outputs = []
+    for x, y in batches(16, 8):
+        step(x, y)
+        outputs.append(step.output)
+    replayed = outputs[WARMUP:]
+    # every kept step.output of a replay is the one graph-owned tensor, holding the last values
+    assert all(o.data_ptr() == replayed[0].data_ptr() for o in replayed)
+    assert all(torch.equal(o, replayed[-1]) for o in replayed)
+
+
+def test_the_returned_loss_can_be_kept_and_averaged_as_accelerates_example_does():
+    """Accelerate's gradient_accumulation_for_autoregressive_models.py appends loss.detach() to a
+    list and averages it at the window's end: each call's own loss, not the last one k times."""
+    model = make_model()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss(), accumulate_calls=4)
+    data = batches(80, 8)
+    kept = [step(x, y).detach() for x, y in data]
+    ref_model = make_model()
+    ref_opt = sgd(ref_model)
+    make_graph_safe(ref_opt, torch.device("cpu"))
+    plain = TrainStep(ref_model, ref_opt, nn.CrossEntropyLoss(), graph="never", accumulate_calls=4)
+    ref = [plain(x, y).detach() for x, y in data]
+    assert step.report().replays == 80 - WARMUP * 4
+    assert all(torch.equal(a, b) for a, b in zip(kept, ref))
+    assert len({float(loss) for loss in kept[-8:]}) == 8  # not one overwritten tensor
+
+
+# ---------------------------------------------------------------- what capture refuses
+def _refused(fn, *tensors):
+    with pytest.raises(CaptureRefused) as caught:
+        record(lambda: fn(*tensors))
+    first, *rest = str(caught.value).splitlines()
+    assert first == CUDA_CAPTURE_ERROR
+    return rest[0]
+
+
+@pytest.mark.parametrize(
+    "name, fn, why",
+    [
+        ("item", lambda x: x.sum().item(), "host read"),
+        ("float", lambda x: float(x.sum()), "host read"),
+        ("truth test", lambda x: bool(x.sum() > 0), "host read"),
+        ("torch.equal", lambda x: torch.equal(x, x), "host read"),
+        ("x[mask]", lambda x: x[x > 0], "data-dependent shape"),
+        ("x[labels != -100]", lambda x: x[torch.tensor([1, -100, 2]) != -100], "data-dependent"),
+        ("index_put_ by mask", lambda x: x.clone().index_put_((x > 0,), torch.tensor(0.0)), "data"),
+        ("masked_fill is fine, masked_select is not", lambda x: x.masked_select(x > 0), "data"),
+        ("nonzero", lambda x: x.nonzero(), "data-dependent shape"),
+        ("argwhere", lambda x: torch.argwhere(x), "data-dependent shape"),
+        ("unique", lambda x: x.unique(), "data-dependent shape"),
+        ("one-argument where", lambda x: torch.where(x > 0), "data-dependent shape"),
+        (
+            "repeat_interleave by a tensor",
+            lambda x: x.repeat_interleave(torch.tensor([1, 2, 0])),
+            "data-dependent shape",
+        ),
+        ("bincount", lambda x: torch.bincount(torch.tensor([0, 2])), "data-dependent shape"),
+    ],
+)
+def test_capture_refuses_what_cuda_capture_refuses_with_cudas_error(name, fn, why):
+    assert why in _refused(fn, torch.tensor([1.0, -2.0, 3.0]))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: torch.where(x > 0, x, 0.0),
+        lambda x: x.masked_fill(x > 0, 0.0),
+        lambda x: x[torch.tensor([0, 2])],  # an integer index: fixed shape
+        lambda x: x.repeat_interleave(2),
+        lambda x: torch.nonzero_static(x, size=3),
+    ],
+)
+def test_capture_allows_the_fixed_shape_forms(fn):
+    result, program = record(lambda: fn(torch.tensor([1.0, -2.0, 3.0])))
+    assert len(program) >= 1 and isinstance(result, torch.Tensor)
+
+
+def test_an_item_in_the_loss_is_refused_at_capture_naming_the_host_sync_and_the_line():
+    def printing_loss(out, y):
+        loss = nn.functional.cross_entropy(out, y)
+        print(loss.item())  # the line the fallback names
+        return loss
+
+    model = make_model()
+    step = graphed(model, sgd(model), printing_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(16, 8):
+            step(x, y)
+    report = step.report()
+    assert report.replays == 0 and report.mode == "eager"
+    reason = report.fallbacks[0]
+    assert CUDA_CAPTURE_ERROR in reason
+    assert "print(loss.item())" in reason and "test_cpu_graphs.py" in reason
+    assert "host synchronisation" in reason  # explain's cause, first
+    assert any(CUDA_CAPTURE_ERROR in str(w.message) for w in caught)
+
+
+def test_a_boolean_mask_in_the_loss_is_refused_naming_a_data_dependent_shape():
+    def masked_loss(out, y):
+        keep = y != 3
+        return nn.functional.cross_entropy(out[keep], y[keep])
+
+    model = make_model()
+    step = graphed(model, sgd(model), masked_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x, y in batches(16, 8):
+            step(x, y)
+    reason = step.report().fallbacks[0]
+    assert "out[keep]" in reason and "data-dependent shape" in reason
+
+
+# ---------------------------------------------------------------- capture runs nothing
+def test_a_failed_capture_leaves_parameters_optimizer_state_buffers_and_rng_as_they_were():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    make_graph_safe(opt, torch.device("cpu"))
+    x, y = batches(1, 8)[0]
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    before = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.random.get_rng_state()
+
+    def step_then_host_read():
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()  # refused after everything above ran
+
+    with pytest.raises(CaptureRefused):
+        record(step_then_host_read)
+    after = (model.state_dict(), opt.state_dict())
+    for key, value in before[0].items():
+        assert torch.equal(value, after[0][key]), key
+    for i, state in before[1]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, after[1]["state"][i][key]), (i, key)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    assert torch.equal(rng, torch.random.get_rng_state())
+
+
+# ---------------------------------------------------------------- the optimizer's CUDA path
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+        lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+    ],
+    ids=["sgd-momentum", "adam", "adamw"],
+)
+def test_replays_equal_the_eager_loop_with_the_optimizer_the_step_steps(make_opt):
+    model = make_model()
+    step = graphed(model, make_opt(model), nn.CrossEntropyLoss())
+    data = batches(24, 8)
+    losses = [step(x, y) for x, y in data]
+    ref, ref_losses = eager_reference(data, make_opt)
+    assert step.report().replays == 24 - WARMUP
+    assert_same_parameters(model, ref)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+
+
+def test_the_report_names_the_engine_and_the_optimizer_changes_measured_on_the_cpu():
+    model = make_model()
+    step = graphed(model, torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss())
+    report = step.report()
+    assert report.engine == "cpu-recorded" and "engine=cpu-recorded" in str(report)
+    changes = " ".join(report.optimizer_changes)
+    assert "capturable=True" in changes and "max |Δparam|" in changes
+    plain = make_model()
+    eager = TrainStep(plain, sgd(plain), nn.CrossEntropyLoss(), graph="never")
+    assert eager.report().engine is None
+
+
+def test_dropout_draws_new_numbers_on_each_replay_as_the_eager_loop_does():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 4))
+
+    data = batches(20, 8)
+    model = make()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss())
+    torch.manual_seed(7)
+    losses = [step(x, y) for x, y in data]
+    ref = make()
+    opt = sgd(ref)
+    make_graph_safe(opt, torch.device("cpu"))
+    torch.manual_seed(7)
+    ref_losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.detach())
+    assert step.report().replays == 20 - WARMUP
+    assert len({float(v) for v in losses[WARMUP:]}) == 20 - WARMUP
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert_same_parameters(model, ref)
+
+
+# ---------------------------------------------------------------- collectives
+@pytest.mark.timeout(240)
+def test_ddp_replays_send_the_recorded_gloo_all_reduce_and_equal_eager_ddp():
+    results = run_distributed(workers.ddp_batchnorm_replays, 2, timeout=200)
+    for result in results:
+        assert result["replays"] == 20 - WARMUP, result
+        assert result["max_param_diff"] == 0.0 and result["max_buffer_diff"] == 0.0, result
+    # the ranks saw different data and still hold one model: the all-reduce ran in the replays
+    assert results[0]["checksum"] == results[1]["checksum"]
