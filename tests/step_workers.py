@@ -196,6 +196,8 @@ def accumulate_calls_vs_no_sync(k: int, steps: int, fake: bool) -> dict:
     reference = Dropout()
     ddp = DDP(reference)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    if fake:
+        as_the_step_steps(opt)
     torch.manual_seed(5)
     theirs = []
     for i, (x, y) in enumerate(data):
