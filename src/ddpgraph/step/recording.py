@@ -256,7 +256,7 @@ def _view_or_query(func: Any) -> bool:
         return False
     tensors = [r for r in schema.returns if "Tensor" in str(r.type)]
     if not tensors:
-        return func.namespace == "aten"
+        return bool(func.namespace == "aten")
     return all(r.alias_info is not None for r in tensors)
 
 
