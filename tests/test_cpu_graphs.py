@@ -338,3 +338,9 @@ def test_ddp_replays_send_the_recorded_gloo_all_reduce_and_equal_eager_ddp():
         assert result["max_param_diff"] == 0.0 and result["max_buffer_diff"] == 0.0, result
     # the ranks saw different data and still hold one model: the all-reduce ran in the replays
     assert results[0]["checksum"] == results[1]["checksum"]
+
+
+@pytest.mark.timeout(240)
+def test_fsdp2_replays_send_the_recorded_all_gathers_and_equal_the_fsdp2_loop():
+    for result in run_distributed(workers.fsdp2_replays, 2, timeout=200):
+        assert result == {"replays": 16 - 3, "losses_equal": True, "params_equal": True}
