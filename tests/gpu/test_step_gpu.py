@@ -355,3 +355,22 @@ def test_the_graphed_grad_norm_equals_the_eager_steps_bitwise(rt, clip):
         if graph == "always":
             assert step.report().replays == REPLAYS + 1, str(step.report())
     assert torch.equal(norms["always"], norms["never"])
+
+
+def test_returned_losses_kept_without_clone_are_each_calls_own_and_step_output_is_the_graphs(rt):
+    """Issue 47: a script that keeps the returned loss (Accelerate's autoregressive example
+    appends loss.detach() and averages a window) holds each call's loss; step.output stays
+    graph-owned (one tensor, overwritten by every replay)."""
+    batches = make_batches(mlp, 12 + 1 + 8)
+    torch.manual_seed(0)
+    model = mlp().cuda()
+    step = TrainStep(model, sgd(model.parameters()), nn.CrossEntropyLoss(), graph="always")
+    kept, outputs = [], []
+    for batch in batches:
+        kept.append(step(*batch).detach())
+        outputs.append(step.output)
+    eager = train(mlp, sgd, batches, graph="never")
+    assert torch.equal(torch.stack(kept), eager["losses"])
+    replayed = outputs[12:]
+    assert len({o.data_ptr() for o in replayed}) == 1
+    assert all(torch.equal(o, replayed[-1]) for o in replayed)
