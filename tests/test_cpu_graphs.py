@@ -19,7 +19,7 @@ from ddpgraph.step.recording import CUDA_CAPTURE_ERROR, CaptureRefused, record
 from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import cpu_graph_workers as workers
-from .step_workers import batches, make_model
+from .step_workers import as_the_step_steps, batches, make_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -344,3 +344,25 @@ def test_ddp_replays_send_the_recorded_gloo_all_reduce_and_equal_eager_ddp():
 def test_fsdp2_replays_send_the_recorded_all_gathers_and_equal_the_fsdp2_loop():
     for result in run_distributed(workers.fsdp2_replays, 2, timeout=200):
         assert result == {"replays": 16 - 3, "losses_equal": True, "params_equal": True}
+
+
+def test_inductor_compiled_models_are_not_recorded_and_aot_eager_ones_are():
+    """Inductor's kernels run below the dispatcher: the CPU engine would replay without them,
+    so it refuses them by name; aot_eager's graphs run ATen operations and are recorded."""
+    model = make_model()
+    with pytest.warns(UserWarning, match="cannot record torch.compile's Inductor kernels"):
+        step = graphed(model, sgd(model), nn.CrossEntropyLoss(), compile=True)
+    assert step.report().replays == 0 and "aot_eager" in step.report().fallbacks[0]
+    model = make_model()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss(), compile={"backend": "aot_eager"})
+    data = batches(16, 8)
+    losses = [step(x, y) for x, y in data]
+    ref_model = make_model()
+    ref = TrainStep(
+        ref_model, as_the_step_steps(sgd(ref_model)), nn.CrossEntropyLoss(), graph="never",
+        compile={"backend": "aot_eager"},
+    )  # fmt: skip
+    ref_losses = [ref(x, y) for x, y in data]
+    assert step.report().replays == 16 - WARMUP
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert_same_parameters(model, ref_model)

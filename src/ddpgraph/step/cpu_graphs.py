@@ -37,6 +37,8 @@ class CpuGraphs:
     """
 
     name = "cpu-recorded"
+    # Inductor's generated kernels run below the dispatcher: a recording would miss them
+    sees_inductor = False
 
     def __init__(self, fail: FailWhen = lambda key: False) -> None:
         self.fail = fail

@@ -3,6 +3,7 @@ stand-in), or the reason the step runs eagerly."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -53,6 +54,12 @@ class CudaGraphEngine:
 CUDA_GRAPHS = CudaGraphEngine()
 
 
+def _inductor(compile_option: object) -> bool:
+    """Whether TrainStep's ``compile=`` option compiles with Inductor (torch.compile's default)."""
+    backend = compile_option.get("backend") if isinstance(compile_option, Mapping) else None
+    return backend in (None, "inductor")
+
+
 def build_graphs(
     engine: GraphEngine | None,
     options: StepOptions,
@@ -76,6 +83,16 @@ def build_graphs(
     )
     if problem is not None:
         return problem
+    if (
+        options.compile
+        and _inductor(options.compile)
+        and not getattr(engine, "sees_inductor", True)
+    ):
+        return (
+            "the CPU graph engine cannot record torch.compile's Inductor kernels (they run below "
+            "the dispatcher, so a replay would skip them); pass compile={'backend': 'aot_eager'} "
+            "to test the compiled, graphed path on the CPU"
+        )
     if device.type != "cuda":
         problem = graph_safety_problem(optimizer)
         if problem is not None:
