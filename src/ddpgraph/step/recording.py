@@ -28,7 +28,8 @@ autograd, no module or tensor hooks. What CUDA's capture gives, this gives too:
   ``bincount``) raise :class:`CaptureRefused` whose first line is the error CUDA gives.
   CPU kernels call ``nonzero`` below the dispatcher, so a boolean index is seen by its dtype.
   Not seen: what reads a CPU tensor's memory without an operation (``.tolist()``, ``.numpy()``),
-  which on CUDA would be a device-to-host copy (refused there).
+  which on CUDA would be a device-to-host copy (refused there), and kernels that run below the
+  dispatcher (Inductor's: the engine refuses a model compiled with it, :mod:`.engine`).
 
 Random numbers: a replayed ``dropout`` draws new numbers, from the CPU's generator in the order
 the operations run, the same numbers an eager step at that point would draw. CUDA's graph reads
