@@ -566,18 +566,31 @@ def _names_bound_by(node: ast.AST) -> set[str]:
 
 
 def _direct_binding(statement: ast.stmt, name: str) -> ast.AST | None:
-    """The binding of ``name`` that ``statement`` makes whenever it runs (a ``with`` body runs
-    whole: its last such binding)."""
+    """The binding of ``name`` that ``statement`` makes whenever it runs and completes: its own,
+    the last one of a ``with`` or ``try`` body, or an ``if`` whose every branch binds it (the
+    ``if`` stands for them; the branches' own bindings are read as those after it)."""
     if isinstance(statement, (ast.Assign, ast.AnnAssign)) and name in _bound_names(statement):
         return statement
+    if isinstance(statement, (ast.With, ast.AsyncWith, ast.Try)):
+        found = _last_direct_binding(statement.body, name)
+        if found is not None:
+            return found
     if isinstance(statement, (ast.With, ast.AsyncWith)):
-        for inner in reversed(statement.body):
-            found = _direct_binding(inner, name)
-            if found is not None:
-                return found
         for item in statement.items:
             if item.optional_vars is not None and name in target_names(item.optional_vars):
                 return item
+    if isinstance(statement, ast.If) and statement.orelse:
+        branches = (statement.body, statement.orelse)
+        if all(_last_direct_binding(branch, name) is not None for branch in branches):
+            return statement
+    return None
+
+
+def _last_direct_binding(body: list[ast.stmt], name: str) -> ast.AST | None:
+    for inner in reversed(body):
+        found = _direct_binding(inner, name)
+        if found is not None:
+            return found
     return None
 
 
