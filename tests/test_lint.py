@@ -460,3 +460,15 @@ def test_dg110_pytorch_docs_whole_network_capture_logging_its_loss():
         finding.message
     )
     assert finding.fix.startswith("keep a copy: static_loss.detach().clone()")
+
+
+def test_dg110_a_store_into_a_container_lint_cannot_see_built_is_a_strict_note():
+    stored = KEPT.replace(
+        "def train(model, loader, static_x):", "def train(model, loader, static_x, log):"
+    )
+    assert lint_source(stored.format(line="log[x] = static_loss")) == []
+    (note,) = lint_source(stored.format(line="log[x] = static_loss"), strict=True)
+    assert (note.line, note.code, note.severity) == (13, "DG110", "note")
+    assert "if log is a list or dict (lint cannot see it built)" in note.message
+    # a store into a tensor copies the values: nothing, even in strict mode
+    assert lint_source(KEPT.format(line="total[...] = static_loss"), strict=True) == []

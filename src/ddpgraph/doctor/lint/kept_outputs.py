@@ -33,7 +33,6 @@ from .astutil import (
     exclusive,
     kwarg,
     position,
-    target_names,
     text,
     walk_local,
 )
@@ -143,13 +142,18 @@ class _Analysis:
             self._report_kept(call, value, func.value, owned, report, f"{func.attr}()")
 
     def check_store(self, node: ast.Assign, report: Report) -> None:
-        """``history[k] = t`` into a list or dict the script built."""
+        """``history[k] = t`` into a list or dict the script built; into a container lint
+        cannot see built (``self.history[k]``, a parameter), a note. A store into a tensor
+        (``buf[i] = t``) copies the values and is fine."""
         for target in node.targets:
-            if not (isinstance(target, ast.Subscript) and self._is_container(target.value, node)):
+            if not isinstance(target, ast.Subscript):
                 continue
+            known = self._is_container(target.value, node)
+            if not known and self._bound_in_scope(target.value, node):
+                continue  # a tensor, or something else the scope built
             value, owned = self._owned_element(node.value, node)
             if owned is not None:
-                self._report_kept(node, value, target.value, owned, report, "a store")
+                self._report_kept(node, value, target.value, owned, report, "a store", proven=known)
 
     def check_list_add(self, node: ast.AugAssign, report: Report) -> None:
         """``losses += [t]`` (a list extended by reference)."""
@@ -336,7 +340,7 @@ class _Analysis:
             if (
                 isinstance(ancestor, (ast.For, ast.AsyncFor))
                 and node in ancestor.body
-                and name in target_names(ancestor.target)
+                and name in _stored(ancestor.target)
             ):
                 return ancestor  # bound afresh before each pass through the body
             placed = position(self.mod, node)
@@ -398,6 +402,8 @@ class _Analysis:
         owned: Owner,
         report: Report,
         how: str,
+        *,
+        proven: bool = True,
     ) -> None:
         loop = self._writing_loop(node, owned)
         if loop is None:
@@ -408,14 +414,19 @@ class _Analysis:
                 return  # a new container every iteration: nothing is kept across replays
         writer = self._first_writer(loop, owned)
         kept = text(container)
-        report.finding(
+        unproven = "" if proven else f" if {kept} is a list or dict (lint cannot see it built)"
+        (report.finding if proven else report.note)(
             node,
             "DG110",
             f"{how} keeps {_described(value, owned)} in {kept} across the loop's iterations, "
             f"and {owned.writer} (line {writer.lineno}) overwrites that tensor in place: every "
-            f"entry of {kept} reads the values of the last {owned.writer}",
+            f"entry of {kept} reads the values of the last {owned.writer}{unproven}",
             f"keep a copy: {_copied(value)} ({_COPY_HINT})",
         )
+
+    def _bound_in_scope(self, node: ast.AST, at: ast.AST) -> bool:
+        """A name this scope binds (not a parameter, not an attribute)."""
+        return isinstance(node, ast.Name) and bool(self._bindings(node.id, self.mod.scope_of(at)))
 
     def _is_container(self, node: ast.AST, at: ast.AST) -> bool:
         """A name the script bound to a list, dict or set (literal, comprehension or
@@ -531,11 +542,23 @@ def _host_value(mod: Module, value: ast.expr) -> bool:
     return False
 
 
+def _stored(target: ast.AST) -> set[str]:
+    """The names an assignment target binds: ``a``, ``a, (b, *c)``; not ``a[i]`` or ``a.b``,
+    which store into an object."""
+    if isinstance(target, ast.Name):
+        return {target.id}
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return set().union(*(_stored(e) for e in target.elts))
+    if isinstance(target, ast.Starred):
+        return _stored(target.value)
+    return set()
+
+
 def _bound_names(node: ast.AST) -> set[str]:
     if isinstance(node, ast.Assign):
-        return set().union(*(target_names(t) for t in node.targets))
+        return set().union(*(_stored(t) for t in node.targets))
     if isinstance(node, ast.AnnAssign):
-        return target_names(node.target)
+        return _stored(node.target)
     return set()
 
 
@@ -557,9 +580,9 @@ def _names_bound_by(node: ast.AST) -> set[str]:
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         return _bound_names(node)
     if isinstance(node, (ast.For, ast.AsyncFor)):
-        return target_names(node.target)
+        return _stored(node.target)
     if isinstance(node, ast.withitem) and node.optional_vars is not None:
-        return target_names(node.optional_vars)
+        return _stored(node.optional_vars)
     if isinstance(node, ast.NamedExpr):
         return {node.target.id}
     return set()
@@ -577,7 +600,7 @@ def _direct_binding(statement: ast.stmt, name: str) -> ast.AST | None:
             return found
     if isinstance(statement, (ast.With, ast.AsyncWith)):
         for item in statement.items:
-            if item.optional_vars is not None and name in target_names(item.optional_vars):
+            if item.optional_vars is not None and name in _stored(item.optional_vars):
                 return item
     if isinstance(statement, ast.If) and statement.orelse:
         branches = (statement.body, statement.orelse)
