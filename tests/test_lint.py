@@ -276,3 +276,199 @@ def test_an_unknown_coding_is_a_read_error(tmp_path: Path):
     path.write_bytes(b"# -*- coding: no-such-codec -*-\nx = 1\n")
     with pytest.raises(LintError, match=r"odd\.py: cannot read: unknown encoding"):
         lint_file(path)
+
+
+# ---- DG110: a graph-owned tensor kept across replays without a copy ----
+
+KEPT = """
+import torch
+def train(model, loader, static_x):
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_out = model(static_x)
+        static_loss = static_out.sum()
+    kept = []
+    total = torch.zeros((), device="cuda")
+    for x in loader:
+        static_x.copy_(x)
+        g.replay()
+        {line}
+    return kept, total
+"""
+
+
+@pytest.mark.parametrize(
+    ("line", "flagged"),
+    [
+        ("kept.append(static_loss)", True),
+        ("kept.append(static_loss.detach())", True),  # .detach() shares the memory
+        ("kept.append(static_out.view(-1))", True),
+        ("kept.append(static_out[0])", True),
+        ("kept.append(static_out.logits)", True),
+        ("kept.extend([static_loss])", True),
+        ("kept += [static_loss.detach()]", True),
+        ("kept.append((len(kept), static_loss))", True),
+        ("kept.append({'loss': static_loss, 'n': 1})", True),
+        ("kept.append({'loss': static_loss.item()})", False),
+        ("kept.append(static_loss.clone())", False),
+        ("kept.append(static_loss.detach().clone())", False),
+        ("kept.append(static_loss.item())", False),
+        ("kept.append(float(static_loss))", False),
+        ("kept.append(static_out.tolist())", False),
+        ("kept.append(static_out.cpu())", False),
+        ("kept.append(static_out.to('cpu'))", False),
+        ("kept.append(static_loss * 2)", False),
+        ("kept.append(static_out[static_out > 0])", False),  # a mask index copies
+        ("kept.append(static_out.shape)", False),
+        ("total += static_loss.detach()", False),  # into a fresh tensor
+        ("total = total + static_loss", False),
+    ],
+)
+def test_dg110_copies_are_kept_safely_and_views_are_not(line: str, flagged: bool):
+    findings = lint_source(KEPT.format(line=line))
+    assert [(f.line, f.code) for f in findings] == ([(13, "DG110")] if flagged else [])
+
+
+def test_dg110_names_the_kept_tensor_its_graph_the_replay_and_the_copy():
+    path = FIXTURES / "dg110_positive_accelerate.py"
+    (finding,) = lint_file(path)
+    line = path.read_text().splitlines()[finding.line - 1].strip()
+    assert line == "losses.append(loss.detach())  # expect: DG110"
+    assert "loss.detach() (a view of loss, an output of the graph g captured at line 19)" in (
+        finding.message
+    )
+    assert "keeps" in finding.message and "in losses" in finding.message
+    assert "g.replay() (line 54) overwrites" in finding.message
+    assert finding.fix.startswith("keep a copy: loss.detach().clone()")
+
+
+def test_dg110_a_name_carried_into_the_next_iteration_names_the_read():
+    path = FIXTURES / "dg110_positive.py"
+    (finding,) = [f for f in lint_file(path) if f.line == 47]
+    assert "'prev' keeps static_loss.detach()" in finding.message
+    assert "'prev' read at line 45 holds the new values" in finding.message
+    assert finding.fix.startswith("keep a copy: prev = static_loss.detach().clone()")
+
+
+UPSTREAM = Path(__file__).parents[2] / "shared" / "upstream"
+ACCELERATE_GA = (
+    UPSTREAM
+    / "accelerate_gradient_accumulation_autoregressive"
+    / "gradient_accumulation_for_autoregressive_models.py"
+)
+ACCELERATE_GA_SHA256 = "61a8680c477a1f015ffb69c4d4169b50208449aea159eb97bddf1ea97ed08133"
+# The micro-step of the script's loop (lines 244-251), and what a hand port to a CUDA graph makes
+# of it: the forward and backward captured once before the loop, replayed on copied-in batches.
+_MICRO_STEP = """\
+                    outputs = model(**batch, use_cache=False, num_items_in_batch=num_items_in_batch)
+                    loss = outputs.loss
+"""
+_REPLAY = """\
+                    for key, value in batch.items():
+                        static_batch[key].copy_(value)
+                    graph.replay()
+"""
+_CAPTURE = """\
+    total_batched_samples = 0
+    static_batch = {k: v.clone() for k, v in next(iter(train_dataloader)).items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = model(**static_batch, use_cache=False)
+        loss = outputs.loss * gradient_accumulation_steps * accelerator.num_processes
+        accelerator.backward(loss)
+"""
+
+
+def _accelerate_ga_source() -> str:
+    import hashlib
+
+    assert ACCELERATE_GA.is_file(), f"{ACCELERATE_GA} is missing: ../shared/upstream holds it"
+    data = ACCELERATE_GA.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == ACCELERATE_GA_SHA256, "the pinned script changed"
+    return data.decode()
+
+
+def test_dg110_accelerates_script_is_clean_eagerly_and_flagged_once_graphed_by_hand():
+    """huggingface/accelerate's gradient_accumulation_for_autoregressive_models.py (pinned):
+    appending loss.detach() is right eagerly; once loss is a graph's static output the list holds
+    k references to it, and only that line is reported."""
+    source = _accelerate_ga_source()
+    assert [f for f in lint_source(source, "ga.py") if f.code == "DG110"] == []
+    graphed = source.replace("    total_batched_samples = 0\n", _CAPTURE, 1)
+    graphed = graphed.replace(_MICRO_STEP, _REPLAY, 1)
+    for gone in ("loss = loss * gradient_accumulation_steps", "accelerator.backward(loss)"):
+        graphed = graphed.replace(graphed[graphed.index(f"  {gone}") :].split("\n", 1)[0], "", 1)
+    assert graphed.count("graph.replay()") == 1 and graphed.count("accelerator.backward") == 1
+    lines = graphed.splitlines()
+    found = [f for f in lint_source(graphed, "ga.py") if f.code == "DG110"]
+    assert [lines[f.line - 1].strip() for f in found] == ["losses.append(loss.detach())"]
+
+
+KEEPS_THE_GRAD_NORM = """
+import torch
+from torch import nn
+from ddpgraph import TrainStep
+from ddpgraph.testing import CpuGraphs
+
+def train(model, data):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), clip_grad_norm=1.0)
+    norms = []
+    for x, y in data:
+        step(x, y)
+        norms.append(step.grad_norm{copy})
+    return norms
+"""
+
+
+@pytest.mark.timeout(120)
+def test_dg110_what_it_reports_is_real_on_the_cpu_engine_and_the_fix_mends_it():
+    """Run the script it flags: on the CPU engine (CUDA's overwrite semantics) the kept
+    step.grad_norm of every replayed step is one tensor; with the fix, each step's own norm."""
+    from .step_workers import batches, make_model
+
+    data = batches(16, 8)
+    runs = {}
+    for copy in ("", ".clone()"):
+        source = KEEPS_THE_GRAD_NORM.format(copy=copy)
+        findings = [(f.line, f.code) for f in lint_source(source)]
+        assert findings == ([(13, "DG110")] if copy == "" else [])
+        namespace: dict[str, object] = {}
+        exec(compile(source, "script.py", "exec"), namespace)
+        runs[copy] = namespace["train"](make_model(), data)  # type: ignore[operator]
+    replayed = runs[""][12:]  # after the step's default warm-up of 12 eager steps
+    assert len({n.data_ptr() for n in replayed}) == 1
+    assert len({float(n) for n in replayed}) == 1  # k references, the last values
+    assert len({float(n) for n in runs[".clone()"][12:]}) == len(replayed)
+
+
+def test_dg110_pytorch_docs_whole_network_capture_logging_its_loss():
+    """PyTorch's docs, "Whole-network capture" (pytorch_docs_whole_network.py, clean as
+    written), with the replay loop logging its mean loss the way an eager loop does: the list
+    holds ten references to the one static loss."""
+    source = (FIXTURES / "pytorch_docs_whole_network.py").read_text()
+    assert lint_source(source) == []
+    logged = source.replace("for data, target in zip(", "losses = []\nfor data, target in zip(")
+    logged += "    losses.append(static_loss.detach())\nprint(torch.stack(losses).mean().item())\n"
+    lines = logged.splitlines()
+    findings = lint_source(logged)
+    assert [(lines[f.line - 1].strip(), f.code) for f in findings] == [
+        ("losses.append(static_loss.detach())", "DG110")
+    ]
+    (finding,) = findings
+    assert "static_loss.detach() (a view of static_loss, an output of the graph g" in (
+        finding.message
+    )
+    assert finding.fix.startswith("keep a copy: static_loss.detach().clone()")
+
+
+def test_dg110_a_store_into_a_container_lint_cannot_see_built_is_a_strict_note():
+    stored = KEPT.replace(
+        "def train(model, loader, static_x):", "def train(model, loader, static_x, log):"
+    )
+    assert lint_source(stored.format(line="log[x] = static_loss")) == []
+    (note,) = lint_source(stored.format(line="log[x] = static_loss"), strict=True)
+    assert (note.line, note.code, note.severity) == (13, "DG110", "note")
+    assert "if log is a list or dict (lint cannot see it built)" in note.message
+    # a store into a tensor copies the values: nothing, even in strict mode
+    assert lint_source(KEPT.format(line="total[...] = static_loss"), strict=True) == []

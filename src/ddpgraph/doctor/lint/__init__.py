@@ -7,8 +7,9 @@ library function whose caller is not in the file) is silent, and shown as a note
 ``strict=True`` (``ddpgraph lint --strict``).
 
 One module per rule family: ``device`` (DG101), ``object_lists`` (DG102), ``capture_stream``
-(DG103), ``warmup`` (DG104), ``capture_body`` (DG105, DG106), ``replay`` (DG107, DG108); the shared
-AST helper is ``astutil``. A finding is silenced by ``# noqa`` or ``# noqa: DG104`` on its line.
+(DG103), ``warmup`` (DG104), ``capture_body`` (DG105, DG106), ``replay`` (DG107, DG108),
+``window_lr`` (DG109), ``kept_outputs`` (DG110); the shared AST helper is ``astutil``. A finding
+is silenced by ``# noqa`` or ``# noqa: DG104`` on its line.
 """
 
 from __future__ import annotations

@@ -63,6 +63,13 @@ RULES: dict[str, Rule] = {
             "param group LR set after the window's calls of a TrainStep(accumulate_calls=k) "
             "without defer_update=True: applied one step late",
         ),
+        Rule(
+            "DG110",
+            "graph-output-kept",
+            "graph-owned tensor (a capture's output, TrainStep.output / grad_norm / evaluate()) "
+            "kept across the loop's replays without a copy: every kept entry reads the last "
+            "replay's values",
+        ),
     )
 }
 

@@ -36,7 +36,7 @@ def _schedulers(mod: Module) -> set[str]:
     return names
 
 
-def _replays(mod: Module, capture: Capture) -> Iterator[ast.Call]:
+def replays_of(mod: Module, capture: Capture) -> Iterator[ast.Call]:
     """``g.replay()`` calls of the captured graph, in the scope that captured it."""
     scope = mod.scope_of(capture.node)
     for call in calls(scope):
@@ -74,7 +74,7 @@ def check_double_step(mod: Module, report: Report) -> None:
         inside -= _schedulers(mod)  # scheduler.step() is host-side; only optimizers matter here
         if not inside:
             continue
-        for replay in _replays(mod, capture):
+        for replay in replays_of(mod, capture):
             region, after = _replay_region(mod, replay)
             for call in calls(region):
                 stepped = stepped_optimizer(call)
@@ -104,7 +104,7 @@ def check_static_rebound(mod: Module, report: Report) -> None:
         if not inputs:
             continue
         reported: set[int] = set()
-        for replay in _replays(mod, capture):
+        for replay in replays_of(mod, capture):
             region, after = _replay_region(mod, replay)
             for name, node in _rebindings(mod, region, inputs):
                 if (

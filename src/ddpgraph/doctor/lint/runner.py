@@ -14,6 +14,7 @@ from .capture_body import check_optimizer_capturable, check_sync_in_capture
 from .capture_stream import check_capture_stream
 from .core import Finding, LintError, Report
 from .device import check_unbound_device
+from .kept_outputs import check_kept_outputs
 from .object_lists import check_object_list_size
 from .replay import check_double_step, check_static_rebound
 from .warmup import check_warmup_count
@@ -31,6 +32,7 @@ CHECKS: tuple[Callable[[Module, Report], None], ...] = (
     check_double_step,  # DG107
     check_static_rebound,  # DG108
     check_lr_after_window,  # DG109
+    check_kept_outputs,  # DG110
 )
 
 
