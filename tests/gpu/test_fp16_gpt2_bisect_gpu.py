@@ -22,12 +22,18 @@ three ways, each run through 40 steps with overflows (warm-up: steps 0-11, captu
 Each failure names the first step whose loss differs (a forward difference: at the capture step
 12 it is the captured forward itself) and the first step whose parameters differ, with the
 tensors that differ most there (an update difference shows in the parameters one step before
-the loss)."""
+the loss).
+
+Found (issue 47; H100, 5713d53, transformers 5.17): ``graphed`` vs ``gradscaler`` failed for all
+three variants from the capture step on, while ``trainstep-eager`` and ``capture-branches`` were
+bitwise equal: the cause is transformers' capture branch, an explicit causal mask for SDPA (no
+FlashAttention) where eager passes ``is_causal=True`` (tests/hf_capture.py). Where this
+transformers makes that difference, ``graphed`` vs ``gradscaler`` is an expected failure, after
+checking that the runs agree bitwise up to the capture; from transformers 5.18 on, GPT-2 without
+an attention mask keeps ``is_causal`` while captured, and the comparison must hold bitwise."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpgraph import CaptureError, TrainStep
 from ddpgraph.step.optim import make_graph_safe
 
+from ..hf_capture import masks_while_capturing, transformers_sees_a_capture
 from . import test_amp_gpu as amp
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,23 +73,6 @@ def _data():
     return [{"input_ids": i, "labels": i.clone()} for i in ids]
 
 
-@contextlib.contextmanager
-def _transformers_sees_a_capture(on: bool) -> Iterator[None]:
-    """transformers' ``is_cuda_stream_capturing`` answering True (what it answers while
-    TrainStep captures the step), so an eager run takes its capture branches."""
-    if not on:
-        yield
-        return
-    from transformers.utils import import_utils
-
-    saved = import_utils.is_cuda_stream_capturing
-    import_utils.is_cuda_stream_capturing = lambda: True
-    try:
-        yield
-    finally:
-        import_utils.is_cuda_stream_capturing = saved
-
-
 def _snapshot(model) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -102,7 +92,7 @@ def _gradscaler(options: dict[str, Any], data, *, capture_branches: bool = False
     losses, params = [], []
     for i, batch in enumerate(data):
         opt.zero_grad(set_to_none=False)
-        with _transformers_sees_a_capture(capture_branches and i >= CAPTURE_STEP):
+        with transformers_sees_a_capture(capture_branches and i >= CAPTURE_STEP):
             with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False):
                 loss = amp._own(ddp, batch)
             scaler.scale(loss).backward()
@@ -185,6 +175,18 @@ def test_gpt2_fp16_variant_equals_gradscaler(rt, variant, ours, reference):
     assert report.skipped_steps >= 1, str(report)  # the run meets overflows
     where = _first_difference((our_losses, our_params), (their_losses, their_params), names)
     print(f"\n{variant}, {ours} vs {reference}: {where or 'bitwise equal'}")
+    plain = ours == "graphed" and reference == "gradscaler"
+    if where is not None and plain and masks_while_capturing(_model(options).cuda(), data[0]):
+        agree = all(
+            torch.equal(our_losses[i], their_losses[i])
+            and all(torch.equal(a, b) for a, b in zip(our_params[i], their_params[i]))
+            for i in range(CAPTURE_STEP)
+        )
+        assert agree, f"{variant}: the runs part before the capture: {where}"
+        pytest.xfail(
+            f"this transformers builds a causal mask for SDPA while captured where eager "
+            f"passes is_causal=True (another CUDA kernel): {where}"
+        )
     assert where is None, f"{variant}, {ours} vs {reference}: {where}"
 
 
