@@ -1,0 +1,190 @@
+"""Workers for test_capture_cause.py: FSDP2 captures that fail, or would, and what the step says.
+
+``BackwardFailingGraphs`` is a CPU engine whose capture runs the step's body, as a CUDA capture
+runs its Python: a failure raised inside FSDP2's backward leaves FSDP2 mid-iteration, as the
+device's failed capture did (issue 48). A replay runs the recorded body, as ``CpuGraphs`` does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import get_gradient_edge
+
+from ddpgraph import TrainStep
+from ddpgraph.step.batch import Batch, GraphKey
+from ddpgraph.step.cpu_graphs import CpuGraphs, FakeGraphs
+from ddpgraph.step.graphs import CapturedGraph, CaptureFailure, first_capture_error
+from ddpgraph.step.optim import graph_safety_problem
+
+from .fsdp2_workers import batches, full_params, make_model, shard
+
+CAPTURING = [False]  # set while BackwardFailingGraphs captures
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises while a capture runs (a host read would, on CUDA)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if CAPTURING[0]:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return grad
+
+
+class FailingHead(nn.Module):
+    """The model of fsdp2_workers with the failure point after the embedding: the backward
+    has run the head's (the root's unsharded gradients hold values) and every block's
+    (reduce-scatters done, on both ranks alike), and stops before the root's own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.embed, self.blocks, self.head = self.net.embed, self.net.blocks, self.net.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = _RaiseInBackward.apply(self.embed(x))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+class _Graphs(FakeGraphs):
+    def capture(self, key: GraphKey, batch: Batch, body: Any) -> CapturedGraph | CaptureFailure:
+        CAPTURING[0] = True
+        try:
+            body(batch.with_tensors([t.clone() for t in batch.tensors]))
+        except Exception as exc:
+            self.uncapturable.add(key)
+            return CaptureFailure(first_capture_error(exc))
+        finally:
+            CAPTURING[0] = False
+        return super().capture(key, batch, body)
+
+
+class BackwardFailingGraphs(CpuGraphs):
+    def build(self, parameters: Any, optimizer: Any, device: Any, *, fp16: bool) -> Any:
+        problem = graph_safety_problem(optimizer)
+        return problem if problem is not None else _Graphs(parameters, optimizer, self.fail)
+
+
+def _hide_reset_iter_state() -> None:
+    """torch 2.11 (the device image) has no FSDPModule.reset_iter_state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    del FSDPModule.reset_iter_state
+
+
+def _plain_sharded_model(failing: bool) -> nn.Module:
+    if not failing:
+        return shard(make_model())
+    model = FailingHead()
+    for block in model.blocks:
+        torch.distributed.fsdp.fully_shard(block)
+    torch.distributed.fsdp.fully_shard(model)
+    return model
+
+
+def capture_fails_in_backward(steps: int, hide_reset: bool) -> dict:
+    """The capture fails inside FSDP2's backward on every rank; the step goes on eagerly."""
+    if hide_reset:
+        _hide_reset_iter_state()
+    model = _plain_sharded_model(failing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), warmup=3, engine=BackwardFailingGraphs())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses = [float(step(x, y)) for x, y in batches(steps)]
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "phase": step.phase.value,
+        "fallbacks": list(step.report().fallbacks),
+        "warnings": [str(w.message) for w in seen],
+    }
+
+
+def capture_fails_in_backward_always() -> str:
+    """graph='always': the CaptureError itself names the failure."""
+    _hide_reset_iter_state()
+    model = _plain_sharded_model(failing=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(
+        model,
+        opt,
+        nn.CrossEntropyLoss(),
+        warmup=3,
+        graph="always",
+        engine=BackwardFailingGraphs(),
+    )
+    try:
+        for x, y in batches(6):
+            step(x, y)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _unsharded(model: nn.Module) -> list[torch.Tensor]:
+    from ddpgraph.step.parallel.fsdp2 import unsharded_leaves
+
+    return unsharded_leaves(model)
+
+
+def earlier_loss_kept(eager: int, steps: int, keep: bool) -> dict:
+    """The script runs ``eager`` plain FSDP2 steps, keeps their last ``loss`` (``keep``), then
+    trains through TrainStep: the step names the live graph, with the fix, and captures."""
+    model = shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = nn.CrossEntropyLoss()
+    data = batches(eager + steps)
+    losses = []
+    for x, y in data[:eager]:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    held = [get_gradient_edge(leaf).node for leaf in _unsharded(model)] if keep else []
+    if not keep:
+        del loss
+    step = TrainStep(model, opt, loss_fn, warmup=3, engine=CpuGraphs())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses += [float(step(x, y)) for x, y in data[eager:]]
+    fresh = [get_gradient_edge(leaf).node for leaf in _unsharded(model)] if keep else []
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "phase": step.phase.value,
+        "replays": step.report().replays,
+        "warnings": [str(w.message) for w in seen],
+        # the old graph's nodes are no longer the parameters' accumulators (the step's fix)
+        "nodes_replaced": sum(a is not b for a, b in zip(held, fresh)),
+        "leaves": len(held),
+        "rank": dist.get_rank(),
+    }
+
+
+def plain_loop(steps: int, failing_head: bool = False) -> dict:
+    """The plain FSDP2 loop over the same batches (no TrainStep); ``failing_head``: the model
+    of the failing captures (its backward never raises here)."""
+    model = _plain_sharded_model(failing=failing_head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn = nn.CrossEntropyLoss()
+    losses = []
+    for x, y in batches(steps):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return {"losses": losses, "params": full_params(model)}
