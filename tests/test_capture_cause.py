@@ -62,6 +62,18 @@ def test_graph_always_raises_a_capture_error_that_carries_the_original_failure()
         assert f"capture_cause_workers.py:{RAISING_LINE}" in text
 
 
+def test_an_fsdp2_that_cannot_be_reset_raises_naming_why_and_the_captures_own_failure():
+    errors = run_distributed(w.capture_fails_and_fsdp2_cannot_be_reset, 2, timeout=250)
+    for text in errors:
+        assert text.startswith("CaptureError: a capture failed inside FSDP2's forward or backward")
+        assert "could not be reset on this torch" in text and "_post_reduce_event" in text
+        assert "graph='never'" in text  # the way on
+        failed = text.split("The capture that failed: ", 1)[1]
+        assert failed.startswith("rank 0 could not capture its step: capture failed: ")
+        assert "RuntimeError: operation not permitted when stream is capturing" in failed
+        assert f"capture_cause_workers.py:{RAISING_LINE}" in text
+
+
 def test_an_earlier_losss_live_graph_is_named_with_the_fix_and_mended_before_capture():
     eager, steps = 2, 6
     plain = run_distributed(w.plain_loop, 2, args=(eager + steps,), timeout=250)
