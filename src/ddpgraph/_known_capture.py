@@ -30,6 +30,18 @@ CAPTURE_AND_DDP: tuple[Known, ...] = (
         "ddpgraph.TrainStep does this for you",
     ),
     _single(
+        "earlier-loss-graph-alive",
+        r"AccumulateGrad node's stream does not match the stream of the node that produced",
+        "an earlier loss's autograd graph kept alive across the capture",
+        "a tensor from an earlier iteration (typically the script's last `loss` of eager steps "
+        "run before the capture) still holds its autograd graph, and with it the parameters' "
+        "AccumulateGrad nodes, made on another stream; the captured backward reuses them and "
+        "syncs with that stream (seen with FSDP2 on torch 2.11, which then fails the capture)",
+        "drop the reference before capturing (`del loss`, or keep `loss.item()` / "
+        "`loss.detach()`); ddpgraph.TrainStep with FSDP2 names it and gives the parameters new "
+        "accumulators itself",
+    ),
+    _single(
         "optimizer-not-capturable",
         r"Attempting (?:CUDA|XPU) graph capture of step\(\)",
         "optimizer not capturable",

@@ -407,7 +407,11 @@ def first_capture_error(exc: BaseException) -> str:
         current = current.__cause__ or current.__context__
     first = chain[-1]
     text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
-    where = library_frame(traceback.extract_tb(first.__traceback__))
+    frames = traceback.extract_tb(first.__traceback__)
+    # the script's or a library's line; where torch's own code raised (FSDP2's hooks), its line
+    where = library_frame(frames) or (
+        f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+    )
     at = f" at {where}" if where is not None else ""
     known = explain_exception(first)
     explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""

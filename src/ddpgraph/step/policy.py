@@ -302,15 +302,17 @@ class CapturePolicy:
         ok, any_dirty = self.parallel.agree(
             isinstance(result, CapturedGraph), self.parallel.dirty()
         )
-        if any_dirty:
-            self._reset_wrapper()  # on every rank, so DDP's bucket rebuild is collective
-        if not ok:
-            self._graphs().drop_training()
-            reason = (
-                self._explain_failure(result.reason)
-                if isinstance(result, CaptureFailure)
-                else "another rank could not capture its step (its warning says why)"
+        if ok:
+            if any_dirty:
+                self._reset_wrapper("")
+        else:
+            mine = (
+                self._explain_failure(result.reason) if isinstance(result, CaptureFailure) else None
             )
+            reason = _every_failure(self.parallel.failures_of_every_rank(mine))
+            if any_dirty:
+                self._reset_wrapper(reason)  # on every rank: DDP's bucket rebuild is collective
+            self._graphs().drop_training()
             self.enter_eager(reason)
             return self._eager(batch)
         self.phase = Phase.GRAPHED
@@ -333,12 +335,14 @@ class CapturePolicy:
         started = time.perf_counter()
         result = self._capture(key, batch)
         if isinstance(result, CaptureFailure):
+            reason = self._explain_failure(result.reason)
             if self.parallel.dirty():
-                self.parallel.check_reset_alone()  # no agreement: peers may be replaying
-                self._reset_wrapper()
+                with _naming_the_failure(reason):
+                    self.parallel.check_reset_alone()  # no agreement: peers may be replaying
+                self._reset_wrapper(reason)
             self.warn_or_raise(
                 f"the batch of {describe(batch.signature)}{mode_words(modes)} runs eagerly: "
-                f"{self._explain_failure(result.reason)}"
+                f"{reason}"
             )
             return None
         self._record_capture(key, started)
@@ -356,6 +360,9 @@ class CapturePolicy:
     def _capture(self, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
         """Capture the step for this key on the device copy of ``batch``."""
         self.follower.settle_due = True
+        found = self.parallel.before_capture()  # e.g. an earlier loss's graph still alive
+        if found is not None:
+            warn_at_user_line(f"TrainStep: {found}")
         device_batch = self.to_device(batch)
         result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
         if self.body.syncs(key.role):
@@ -390,10 +397,12 @@ class CapturePolicy:
             return reason
         return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"
 
-    def _reset_wrapper(self) -> None:
+    def _reset_wrapper(self, reason: str) -> None:
         """After a backward that never finished: the wrapper reset (it may rebuild what the
-        training graphs read, so they go) and two eager steps before the next capture."""
-        self.parallel.reset()
+        training graphs read, so they go) and two eager steps before the next capture. A reset
+        that cannot be done raises with the capture's own failure (``reason``) named."""
+        with _naming_the_failure(reason):
+            self.parallel.reset()
         self._graphs().drop_training()
         self._eager_before_capture = 2
 
@@ -485,7 +494,7 @@ class CapturePolicy:
         failure = first_forward_failure(self.body, batch, self.device)
         ok, _ = self.parallel.agree(failure is None, False)
         if not ok:
-            reason = failure or "it failed on another rank (that rank's warning says why)"
+            reason = _every_failure(self.parallel.failures_of_every_rank(failure), "compile")
             self.warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
             self.body.parallel = self._rewrap()
             if self.graphs is not None:
@@ -577,6 +586,29 @@ class CapturePolicy:
             raise CaptureError(message)
         warn_at_user_line(f"TrainStep continues eagerly; {message}")
         self.report.fallbacks.append(message)
+
+
+@contextlib.contextmanager
+def _naming_the_failure(reason: str) -> Iterator[None]:
+    """A CaptureError raised while recovering from a failed capture carries that failure: the
+    original error, its file:line and explain()'s causes."""
+    try:
+        yield
+    except CaptureError as exc:
+        if not reason:
+            raise
+        raise CaptureError(f"{exc}\nThe capture that failed: {reason}") from exc
+
+
+def _every_failure(failures: list[str | None], could_not: str = "capture its step") -> str:
+    """The reason every rank reports when a capture (or compile) failed on some: each failing
+    rank's own cause (one line per rank; a single process's is its cause as it is)."""
+    if len(failures) == 1:
+        return failures[0] or f"could not {could_not}"
+    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+    if not failed:  # agree() said one failed, yet none says so: name that, not nothing
+        return f"a rank could not {could_not} and reported no cause"
+    return "\n".join(f"rank {rank} could not {could_not}: {text}" for rank, text in failed)
 
 
 def _detached(output: Any) -> Any:

@@ -6,6 +6,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ...facts import DDP_STATS_SAMPLE_RATE, ddp_count_allows_capture
@@ -122,6 +123,26 @@ class DataParallel:
         """(every rank's ``ok``, any rank's ``dirty``): one tiny collective where there are
         peers."""
         return ok, dirty
+
+    def peer_group(self) -> Any:
+        """The process group of the ranks that run the step together (None: no peers)."""
+        return None
+
+    def failures_of_every_rank(self, failure: str | None) -> list[str | None]:
+        """Every rank's capture failure (None: that rank captured), by rank: called on every
+        rank after :meth:`agree` said one failed, so each rank's fallback names the cause
+        (an object all-gather, once per run, only on that path)."""
+        group = self.peer_group()
+        if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+            return [failure]
+        gathered: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, failure, group=group)
+        return gathered
+
+    def before_capture(self) -> str | None:
+        """Run just before each capture: make it safe where the wrapper can, and return what it
+        found that the script should know (warned at the user's line), or None."""
+        return None
 
     # ----------------------------------------------------------------- failed captures
     def explain_capture_failure(self, reason: str) -> str | None:

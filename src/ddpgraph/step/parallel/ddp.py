@@ -162,6 +162,9 @@ class DDP(DataParallel):
         every_ok, none_dirty = flags.tolist()
         return bool(every_ok), not none_dirty
 
+    def peer_group(self) -> Any:
+        return self.ddp.process_group
+
     # ----------------------------------------------------------------- failed captures
     def explain_capture_failure(self, reason: str) -> str | None:
         """With ``find_unused_parameters=True`` a step in which some parameter gets no gradient

@@ -31,6 +31,7 @@ from torch import nn
 
 from ...errors import CaptureError, ConfigError
 from ..graphs import on_stream
+from ..live_graphs import find_earlier_graph, fresh_accumulators
 from .base import DataParallel
 
 __all__ = [
@@ -95,6 +96,7 @@ class FSDP2(DataParallel):
         ]
         self._flags = [g for _, groups in self._sharded for g in groups]  # reduce_grads
         self._script_off = False  # the script's set_requires_gradient_sync(False) was read
+        self._capture_hint: str | None = None  # what before_capture saw and could not mend
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """``parallel="fsdp2"`` sharded the model after the script built its optimizer over the
@@ -247,16 +249,54 @@ class FSDP2(DataParallel):
 
     def reset(self) -> None:
         """FSDP2's own recovery (``reset_iter_state`` on the root, torch >= 2.12): wait on the
-        events of the failed iteration, reshard, and clear its per-iteration state."""
-        reset = getattr(self.module, "reset_iter_state", None)
-        if reset is None:
-            raise CaptureError(
-                "a capture failed inside FSDP2's forward or backward, and this torch "
-                f"({torch.__version__}) has no FSDPModule.reset_iter_state() to recover; pass "
-                "graph='never', or upgrade torch."
-            )
+        events of the failed iteration, reshard, and clear its per-iteration state. An older
+        torch (2.11 on the device image) gets the same steps from :func:`reset_iter_state`."""
+        own = getattr(self.module, "reset_iter_state", None)
         with on_stream(self._stream):
-            reset()
+            if own is not None:
+                own()
+            else:
+                try:
+                    reset_iter_state(self.module)
+                except Exception as exc:  # FSDP2's internals moved: name it, with the way on
+                    raise CaptureError(
+                        "a capture failed inside FSDP2's forward or backward, and FSDP2's state "
+                        f"could not be reset on this torch ({torch.__version__}, no "
+                        f"FSDPModule.reset_iter_state()): {type(exc).__name__}: {exc}. Pass "
+                        "graph='never' (the capture's own failure is below), or upgrade torch "
+                        "to 2.12 or later."
+                    ) from exc
+        _drop_unsharded_gradients(self.module)
+
+    # ----------------------------------------------------------------- before a capture
+    def before_capture(self) -> str | None:
+        """An earlier loss's autograd graph that still holds the gradient accumulators of
+        FSDP2's unsharded parameters (the script's eager steps before the TrainStep, their last
+        ``loss`` kept): the capture would reuse nodes made on another stream and fail. Where
+        live tensors hold it (the usual case), the parameters get new accumulators here and the
+        capture proceeds; the returned text names it either way (None: nothing found)."""
+        leaves = unsharded_leaves(self.module)
+        earlier = find_earlier_graph(leaves)
+        if earlier is None:
+            self._capture_hint = None
+            return None
+        text = earlier.describe(f"FSDP2's {len(leaves)} unsharded parameters")
+        if earlier.holders:
+            fresh_accumulators(earlier.leaves)
+            self._capture_hint = None
+            return (
+                f"{text}. TrainStep gave those parameters new accumulators for its capture, so "
+                "the step graphs; the old graph stays in memory until the reference goes."
+            )
+        self._capture_hint = text  # named again if the capture fails
+        return text
+
+    def explain_capture_failure(self, reason: str) -> str | None:
+        """What :meth:`before_capture` found and could not mend, if anything."""
+        return self._capture_hint
+
+    def peer_group(self) -> Any:
+        return self.group
 
     def check_reset_alone(self) -> None:
         if dist.get_world_size(self.group) > 1:
@@ -286,6 +326,93 @@ def _training_states(root: nn.Module) -> Iterator[bool]:
         yield state._training_state.name != "IDLE"
         for group in _param_groups(state):
             yield group._training_state.name != "IDLE"
+
+
+def unsharded_leaves(root: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2's backward accumulates into: each parameter's unsharded form (made at
+    the first all-gather and kept; its storage freed between uses), and any parameter it does
+    not manage."""
+    from torch.distributed.tensor import DTensor
+
+    leaves: list[torch.Tensor] = []
+    for state in _states(root):
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    leaves.append(unsharded)
+    leaves.extend(p for p in root.parameters() if not isinstance(p, DTensor))
+    return leaves
+
+
+def reset_iter_state(root: nn.Module) -> None:
+    """``FSDPModule.reset_iter_state()`` of torch 2.12 (``FSDPState._reset_iter_state``), for a
+    torch without it (2.11 has every attribute it touches): wait on the failed iteration's
+    all-gather, reduce-scatter and post-reduce events, reshard every parameter group and set
+    every state idle. The failed iteration's gradient reductions are dropped, as torch's own
+    reset drops them."""
+    state = root._get_fsdp_state()  # type: ignore[operator]
+    if state._is_root is False:
+        raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+    stream = state._device_handle.current_stream()
+    ctx = state._comm_ctx
+    if ctx.all_gather_state is not None:
+        if ctx.all_gather_state.event is not None:
+            stream.wait_event(ctx.all_gather_state.event)
+        ctx.all_gather_state = None
+    for reduce_scatter in ctx.reduce_scatter_states:
+        if reduce_scatter.event is not None:
+            stream.wait_event(reduce_scatter.event)
+    ctx.reduce_scatter_states.clear()
+    for event in getattr(ctx, "_last_post_reduce_events", {}).values():
+        stream.wait_event(event)
+    getattr(ctx, "_last_post_reduce_events", {}).clear()
+    ctx.post_forward_order.clear()
+    for each in state._state_ctx.all_states:
+        each._modules_to_run_forward.clear()
+        each._training_state = type(each._training_state).IDLE
+        for group in _param_groups(each):
+            _reset_group(group)
+    state._state_ctx.iter_forward_root = None
+    state._state_ctx.post_backward_final_callback_queued = False
+
+
+def _drop_unsharded_gradients(root: nn.Module) -> None:
+    """The failed iteration's unsharded gradients: torch's reset keeps them, and the next
+    backward would add to them (a capture's backward assigns ``.grad`` on the host even though
+    it runs no kernel). The step runs the failed call again eagerly from a window's start."""
+    for state in _states(root):
+        for group in _param_groups(state):
+            for fsdp_param in group.fsdp_params:
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
+
+
+def _reset_group(group: Any) -> None:
+    """``FSDPParamGroup._reset_iter_state`` of torch 2.12."""
+    stream = group.device_handle.current_stream()
+    result = group._all_gather_result
+    if result is not None:
+        if result.all_gather_event is not None:
+            stream.wait_event(result.all_gather_event)
+        if isinstance(result.all_gather_work, dist.distributed_c10d.Work):
+            result.all_gather_work.wait()
+        group._all_gather_result = None
+    if group._post_reduce_event is not None:
+        stream.wait_event(group._post_reduce_event)
+        group._post_reduce_event = None
+    if group._all_reduce_state is not None and group._all_reduce_state.event is not None:
+        stream.wait_event(group._all_reduce_state.event)
+    group._all_reduce_state = None
+    if group._reshard_after_forward_event is not None:
+        group._wait_all_gather_streams_on_event(group._reshard_after_forward_event)
+        group._reshard_after_forward_event = None
+    group._partial_reduce_output = None
+    group._post_forward_indices.clear()
+    group._training_state = type(group._training_state).IDLE
+    group._to_sharded()
 
 
 def fsdp2_pending(root: nn.Module) -> list[str]:
