@@ -18,6 +18,8 @@ followed, as a prepared model and optimizer would:
   prepared DDP did (``sync_every_call``), so the run is the script's bit for bit.
 * The script's own ``optimizer.step()`` left in the loop is refused naming its line: the
   update runs inside the step.
+* The model's forward runs under Accelerate's autocast with float32 outputs, as a prepared
+  model's does (bf16/fp16): the script's evaluation through ``step.model`` is Accelerate's.
 * ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model and optimizer
   in Accelerate's own files and keys, loaded in place so the graphs stay
   valid; with fp16 the loss scale too (one more registered object).
@@ -36,6 +38,7 @@ from torch import nn
 from .._frames import PACKAGE_DIR, line_outside
 from ..errors import ConfigError
 from ..step.optim import restore_identities, tensor_slots
+from ._forward import forward_under
 from ._optim import OptimizerView, refuse_script_steps, scaler_reports_skips
 
 __all__ = ["accelerator_options", "amp_of", "attach"]
@@ -155,6 +158,7 @@ def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
     ``sync_gradients``; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's
     own run saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale
     as well."""
+    _autocast_forward(accelerator, model)
     if accelerator.gradient_accumulation_steps > 1:
         step.loop_syncs = AccumulateBlocks(accelerator)
     # else: sync_gradients is True on every call; the window counts its calls (accumulate_calls
@@ -166,6 +170,20 @@ def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
     accelerator._optimizers.append(StepOptimizer(step))
     if step.loss_scale is not None:
         accelerator.register_for_checkpointing(_ExtraState(step))
+
+
+def _autocast_forward(accelerator: Any, model: nn.Module) -> None:
+    """The model's forward under Accelerate's autocast with float32 outputs, as
+    ``accelerator.prepare(model)`` makes it (``native_amp``: bf16, or fp16 on CUDA): the
+    script's evaluation through ``step.model`` then runs in the precision it ran in before."""
+    if not getattr(accelerator, "native_amp", False):
+        return
+    from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
+
+    native, handler = accelerator.native_amp, getattr(accelerator, "autocast_handler", None)
+    forward_under(
+        model, lambda: get_mixed_precision_context_manager(native, handler), convert_to_fp32
+    )
 
 
 class AccumulateBlocks:

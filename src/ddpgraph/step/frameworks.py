@@ -55,10 +55,11 @@ class FromFrameworks:
         """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp):
         :mod:`ddpgraph.integrations.fabric`."""
         from ..integrations._optim import refuse_script_steps
-        from ..integrations.fabric import fabric_options
+        from ..integrations.fabric import fabric_options, keep_precision
 
         step = cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
         refuse_script_steps(optimizer, "the TrainStep built by from_fabric")
+        keep_precision(fabric, model)  # the script's forwards through step.model: Fabric's
         return step
 
     def _loop_ends_window(self, window: Window, last: bool) -> bool:
