@@ -360,3 +360,38 @@ def fabric_script_steps() -> None:
         step(x, y)
         if i % 2 == 1:
             optimizer.step()  # the line the port forgot to remove
+
+
+def unsaid_accumulation(case: str) -> dict[str, Any]:
+    """run_glue_no_trainer.py ported by the Accelerate guide's first diff alone (``loss =
+    train_step(batch)``, the scheduler still under ``if step % k == 0 or step == len(loader) -
+    1:``, no accumulate_calls): refused. ``per_epoch``: a scheduler stepped once per epoch after
+    the loop, ``per_step``: after every call; both update on every call and are followed."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from .framework_workers import classes
+
+    accelerator = Accelerator(cpu=True)
+    model = bn_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+    loader = DataLoader(classes(40), batch_size=4)  # 5 batches a rank
+    loader, lr_scheduler = accelerator.prepare(loader, lr_scheduler)
+    train_step = TrainStep.from_accelerator(
+        accelerator, model, optimizer, nn.CrossEntropyLoss(), **step_options("graphs")
+    )
+    k, calls = 2, 0
+    try:
+        for _ in range(3):
+            for step, (x, y) in enumerate(loader):
+                loss = train_step(x, y)  # the port's line  # noqa: F841
+                calls += 1
+                steps = step % k == 0 or step == len(loader) - 1  # the script's condition
+                if (case == "glue13" and steps) or case == "per_step":
+                    lr_scheduler.step()
+            if case == "per_epoch":
+                lr_scheduler.step()
+    finally:
+        end_training(accelerator)
+    return {"calls": calls, "report": str(train_step.report())}

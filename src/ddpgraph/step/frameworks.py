@@ -41,10 +41,11 @@ class FromFrameworks:
         micro-batch then syncs, as its prepared DDP did): :mod:`ddpgraph.integrations.accelerate`."""
         from ..integrations.accelerate import accelerator_options, attach
 
+        said = "accumulate_calls" in options  # else a script accumulating by hand is refused
         step = cls(
             model, optimizer, loss_fn, **accelerator_options(accelerator, model, optimizer, options)
         )
-        attach(accelerator, step, model)
+        attach(accelerator, step, model, window_said=said)
         return step
 
     @classmethod
