@@ -48,6 +48,23 @@ class Accuracy(evaluate.Metric):
         return {"accuracy": right / len(references)}
 """
 
+# the script's training lines the guide's diffs replace
+_SCRIPT_FORWARD = (
+    "            outputs = model(**batch)\n"
+    "            loss = outputs.loss\n"
+    "            # We keep track of the loss at each epoch\n"
+    "            if args.with_tracking:\n"
+    "                total_loss += loss.detach().float()\n"
+)
+_SCRIPT_UPDATE = (
+    "            loss = loss / args.gradient_accumulation_steps\n"
+    "            accelerator.backward(loss)\n"
+    "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
+    "                optimizer.step()\n"
+    "                lr_scheduler.step()\n"
+    "                optimizer.zero_grad()\n"
+)
+
 # the guide's "A loop that accumulates by hand" (docs/guides/accelerate.md), line for line
 HAND_PORT = [
     (
@@ -68,17 +85,7 @@ HAND_PORT = [
         "    k = args.gradient_accumulation_steps\n",
     ),
     (
-        "            outputs = model(**batch)\n"
-        "            loss = outputs.loss\n"
-        "            # We keep track of the loss at each epoch\n"
-        "            if args.with_tracking:\n"
-        "                total_loss += loss.detach().float()\n"
-        "            loss = loss / args.gradient_accumulation_steps\n"
-        "            accelerator.backward(loss)\n"
-        "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
-        "                optimizer.step()\n"
-        "                lr_scheduler.step()\n"
-        "                optimizer.zero_grad()\n",
+        _SCRIPT_FORWARD + _SCRIPT_UPDATE,
         "            last = step % k == 0 or step == len(train_dataloader) - 1\n"
         "            loss = train_step(batch, last=last)\n"
         "            # We keep track of the loss at each epoch\n"
@@ -101,12 +108,7 @@ FIRST_DIFF_PORT = [
         "    model = train_step.model\n",
     ),
     (
-        "            loss = loss / args.gradient_accumulation_steps\n"
-        "            accelerator.backward(loss)\n"
-        "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
-        "                optimizer.step()\n"
-        "                lr_scheduler.step()\n"
-        "                optimizer.zero_grad()\n",
+        _SCRIPT_UPDATE,
         "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
         "                lr_scheduler.step()\n",
     ),
