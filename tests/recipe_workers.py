@@ -195,7 +195,9 @@ def lightning_rows() -> dict[str, dict[str, Any]]:
 
 
 # ------------------------------------------------------------------- a script's own accumulation
-def glue_style_loop(variant: str, k: int = 2, epochs: int = 3) -> dict[str, Any]:
+def glue_style_loop(
+    variant: str, k: int = 2, epochs: int = 3, precision: str = "no"
+) -> dict[str, Any]:
     """transformers' ``run_glue_no_trainer.py`` loop (a plain ``Accelerator()``, the script's own
     accumulation: ``loss / k``, ``if step % k == 0 or step == len(loader) - 1: optimizer.step();
     lr_scheduler.step(); optimizer.zero_grad()``, then ``model.eval()`` and the eval loop through
@@ -205,7 +207,7 @@ def glue_style_loop(variant: str, k: int = 2, epochs: int = 3) -> dict[str, Any]
 
     from .framework_workers import classes
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, mixed_precision=precision)
     model = bn_net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
@@ -261,8 +263,8 @@ def _inner(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def glue_rows(k: int) -> dict[str, dict[str, Any]]:
-    return {v: outcome(glue_style_loop, v, k) for v in VARIANTS}
+def glue_rows(k: int, precision: str = "no") -> dict[str, dict[str, Any]]:
+    return {v: outcome(glue_style_loop, v, k, 3, precision) for v in VARIANTS}
 
 
 def refused_script_accumulation(case: str) -> None:
@@ -289,7 +291,7 @@ def refused_script_accumulation(case: str) -> None:
         end_training(accelerator)
 
 
-def fabric_eval(variant: str) -> dict[str, Any]:
+def fabric_eval(variant: str, precision: str = "32-true") -> dict[str, Any]:
     """A Fabric loop evaluating its BatchNorm model each epoch through the model it keeps: the
     one ``fabric.setup`` returned (its DDP inside), or after the port ``step.model``."""
     from lightning.fabric import Fabric
@@ -297,7 +299,7 @@ def fabric_eval(variant: str) -> dict[str, Any]:
 
     from .framework_workers import classes
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision=precision)  # type: ignore[arg-type]
     fabric.launch()
     loader, eval_loader = fabric.setup_dataloaders(
         DataLoader(classes(104), batch_size=4), DataLoader(classes(16, seed=2), batch_size=4)
@@ -335,8 +337,8 @@ def fabric_eval(variant: str) -> dict[str, Any]:
     }
 
 
-def fabric_eval_rows() -> dict[str, dict[str, Any]]:
-    return {v: outcome(fabric_eval, v) for v in VARIANTS}
+def fabric_eval_rows(precision: str = "32-true") -> dict[str, dict[str, Any]]:
+    return {v: outcome(fabric_eval, v, precision) for v in VARIANTS}
 
 
 def fabric_script_steps() -> None:
@@ -358,3 +360,38 @@ def fabric_script_steps() -> None:
         step(x, y)
         if i % 2 == 1:
             optimizer.step()  # the line the port forgot to remove
+
+
+def unsaid_accumulation(case: str) -> dict[str, Any]:
+    """run_glue_no_trainer.py ported by the Accelerate guide's first diff alone (``loss =
+    train_step(batch)``, the scheduler still under ``if step % k == 0 or step == len(loader) -
+    1:``, no accumulate_calls): refused. ``per_epoch``: a scheduler stepped once per epoch after
+    the loop, ``per_step``: after every call; both update on every call and are followed."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from .framework_workers import classes
+
+    accelerator = Accelerator(cpu=True)
+    model = bn_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+    loader = DataLoader(classes(40), batch_size=4)  # 5 batches a rank
+    loader, lr_scheduler = accelerator.prepare(loader, lr_scheduler)
+    train_step = TrainStep.from_accelerator(
+        accelerator, model, optimizer, nn.CrossEntropyLoss(), **step_options("graphs")
+    )
+    k, calls = 2, 0
+    try:
+        for _ in range(3):
+            for step, (x, y) in enumerate(loader):
+                loss = train_step(x, y)  # the port's line  # noqa: F841
+                calls += 1
+                steps = step % k == 0 or step == len(loader) - 1  # the script's condition
+                if (case == "glue13" and steps) or case == "per_step":
+                    lr_scheduler.step()
+            if case == "per_epoch":
+                lr_scheduler.step()
+    finally:
+        end_training(accelerator)
+    return {"calls": calls, "report": str(train_step.report())}

@@ -115,7 +115,46 @@ def test_accumulate_calls_with_accelerates_own_accumulation_is_refused():
         TrainStep.from_accelerator(accelerator, model, optimizer, accumulate_calls=2)
 
 
-def test_fabric_evaluation_through_step_model_is_fabrics_own():
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fabric_evaluation_through_step_model_is_fabrics_own(precision):
+    """bf16-mixed: the script's forwards through step.model run inside Fabric's precision plugin
+    (autocast, float32 outputs) as through the model fabric.setup returned (issue 52 item 4)."""
     pytest.importorskip("lightning")
-    results = run_distributed(workers.fabric_eval_rows, 2, timeout=RUN_S)
+    results = run_distributed(workers.fabric_eval_rows, 2, args=(precision,), timeout=RUN_S)
     _assert_ports_equal(results, ("losses", "outputs", "params"))
+    if precision != "32-true":
+        assert all(o.dtype == torch.float32 for o in results[0]["graphs"]["outputs"])
+
+
+def test_evaluation_through_step_model_keeps_accelerates_bf16_autocast():
+    """run_glue_no_trainer.py's loop under mixed_precision="bf16" (issue 52 item 4): its
+    evaluation through the prepared model ran under Accelerate's autocast with float32 outputs;
+    through step.model it does too: outputs, losses and the end state bit for bit."""
+    pytest.importorskip("accelerate")
+    results = run_distributed(workers.glue_rows, 2, args=(2, "bf16"), timeout=RUN_S)
+    _assert_ports_equal(results, ("losses", "lrs", "outputs", "updates", "params", "optimizer"))
+
+
+def test_hand_accumulation_the_port_did_not_say_is_refused_in_the_first_window():
+    """The Accelerate guide's first diff applied to run_glue_no_trainer.py at k = 2 (issue 52
+    item 2): its scheduler steps after call 1 and not after call 2, so call 3 (the end of its
+    first two-call window) is refused on every rank, naming accumulate_calls and last=."""
+    pytest.importorskip("accelerate")
+    from ddpgraph.errors import ConfigError
+
+    from .test_objects import assert_same_error_everywhere
+
+    results = run_distributed(
+        workers.unsaid_accumulation, 2, args=("glue13",), timeout=RUN_S, return_exceptions=True
+    )
+    assert_same_error_everywhere(
+        results, ConfigError, "(after call 1, not after call 2)", "accumulate_calls=k",
+        "last=<that condition>", "recipe_workers.py:", "train_step(x, y)  # the port's line",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["per_step", "per_epoch"])
+def test_a_scheduler_stepped_every_call_or_every_epoch_is_not_hand_accumulation(case):
+    pytest.importorskip("accelerate")
+    results = run_distributed(workers.unsaid_accumulation, 2, args=(case,), timeout=RUN_S)
+    assert all(r["calls"] == 15 for r in results), results

@@ -18,6 +18,8 @@ followed, as a prepared model and optimizer would:
   prepared DDP did (``sync_every_call``), so the run is the script's bit for bit.
 * The script's own ``optimizer.step()`` left in the loop is refused naming its line: the
   update runs inside the step.
+* The model's forward runs under Accelerate's autocast with float32 outputs, as a prepared
+  model's does (bf16/fp16): the script's evaluation through ``step.model`` is Accelerate's.
 * ``accelerator.save_state`` / ``load_state`` save and load the TrainStep's model and optimizer
   in Accelerate's own files and keys, loaded in place so the graphs stay
   valid; with fp16 the loss scale too (one more registered object).
@@ -36,6 +38,7 @@ from torch import nn
 from .._frames import PACKAGE_DIR, line_outside
 from ..errors import ConfigError
 from ..step.optim import restore_identities, tensor_slots
+from ._forward import forward_under
 from ._optim import OptimizerView, refuse_script_steps, scaler_reports_skips
 
 __all__ = ["accelerator_options", "amp_of", "attach"]
@@ -149,14 +152,17 @@ def _check_not_prepared(accelerator: Any, model: object, optimizer: object) -> N
         )
 
 
-def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
+def attach(accelerator: Any, step: Any, model: nn.Module, *, window_said: bool = True) -> None:
     """Make ``accelerator`` treat the TrainStep's model (``model``, as built) and optimizer as
     prepared ones where its loop state and checkpoints need them: each call follows
     ``sync_gradients``; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's
     own run saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale
     as well."""
+    _autocast_forward(accelerator, model)
     if accelerator.gradient_accumulation_steps > 1:
         step.loop_syncs = AccumulateBlocks(accelerator)
+    elif not window_said:  # a plain Accelerator() and no accumulate_calls: updates every call
+        step.loop_syncs = SchedulerSteps(accelerator)
     # else: sync_gradients is True on every call; the window counts its calls (accumulate_calls
     # the script passed) and ends at last=True
     refuse_script_steps(step.optimizer, "the TrainStep built by from_accelerator")
@@ -166,6 +172,20 @@ def attach(accelerator: Any, step: Any, model: nn.Module) -> None:
     accelerator._optimizers.append(StepOptimizer(step))
     if step.loss_scale is not None:
         accelerator.register_for_checkpointing(_ExtraState(step))
+
+
+def _autocast_forward(accelerator: Any, model: nn.Module) -> None:
+    """The model's forward under Accelerate's autocast with float32 outputs, as
+    ``accelerator.prepare(model)`` makes it (``native_amp``: bf16, or fp16 on CUDA): the
+    script's evaluation through ``step.model`` then runs in the precision it ran in before."""
+    if not getattr(accelerator, "native_amp", False):
+        return
+    from accelerate.utils import convert_to_fp32, get_mixed_precision_context_manager
+
+    native, handler = accelerator.native_amp, getattr(accelerator, "autocast_handler", None)
+    forward_under(
+        model, lambda: get_mixed_precision_context_manager(native, handler), convert_to_fp32
+    )
 
 
 class AccumulateBlocks:
@@ -201,6 +221,76 @@ class AccumulateBlocks:
                 "from_accelerator and last=<the loop's optimizer.step() condition> to the step."
             )
         return bool(self.state.sync_gradients)
+
+
+class SchedulerSteps:
+    """A script that accumulates by hand on a plain ``Accelerator()`` but whose port did not say
+    so (no ``accumulate_calls``): refused at the first call after its pattern shows, instead of
+    an update on every micro-batch.
+
+    The signal is the script's prepared LR scheduler (``accelerator.prepare(scheduler)``): such
+    a script steps it under the same condition as its ``optimizer.step()`` (run_glue_no_trainer.py's
+    ``if step % k == 0 or step == len(train_dataloader) - 1``), so inside one pass over a
+    prepared data loader it steps after some calls and not after others. A script that updates
+    on every call steps it after every call, or only at the end of an epoch (the calls after a
+    loader's last batch are not compared). Calls to each prepared scheduler's ``step()`` are
+    counted (not its internal count, which fp16's skipped updates hold back). A script with
+    no prepared scheduler gives no signal (documented). Every rank counts the same calls, so
+    every rank raises at the same call."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+        self.state = accelerator.gradient_state
+        self.calls = 0  # step calls so far
+        self.counted: dict[int, list[int]] = {}  # id(scheduler) -> [its step() calls]
+        self.previous: tuple[int, bool] | None = None  # (scheduler steps, ended its loader)
+        self.after: dict[bool, int] = {}  # stepped after a call or not -> the first such call
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        steps = self._scheduler_steps()
+        in_loader = bool(self.state.in_dataloader)
+        previous, self.previous = self.previous, (steps, bool(self.state.end_of_dataloader))
+        if previous is None or not in_loader or previous[1]:
+            return True
+        stepped = steps != previous[0]
+        self.after.setdefault(stepped, self.calls - 1)
+        if len(self.after) == 2:
+            self._refuse()
+        return True
+
+    def _scheduler_steps(self) -> int:
+        for scheduler in getattr(self.accelerator, "_schedulers", []):
+            if id(scheduler) not in self.counted:
+                self.counted[id(scheduler)] = self._count(scheduler)
+        return sum(count[0] for count in self.counted.values())
+
+    @staticmethod
+    def _count(scheduler: Any) -> list[int]:
+        count = [0]
+        step = scheduler.step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            count[0] += 1
+            return step(*args, **kwargs)
+
+        scheduler.step = counted
+        return count
+
+    def _refuse(self) -> None:
+        stepped, held = self.after[True], self.after[False]
+        raise ConfigError(
+            f"the script steps its LR scheduler after some TrainStep calls and not after others "
+            f"within one pass over its data (after call {stepped}, not after call {held}): it "
+            "updates only on some calls, accumulating by hand (run_glue_no_trainer.py's `if step "
+            "% args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:`), "
+            "but the TrainStep built by from_accelerator without accumulate_calls updates the "
+            f"model on every call (it did so on calls 1 to {self.calls - 1}). Pass "
+            "accumulate_calls=k to TrainStep.from_accelerator and last=<that condition> to each "
+            f"call (train_step(batch, last=...)), at {line_outside(PACKAGE_DIR)}; or, if the "
+            "script does update on every call and steps its scheduler on only some, pass "
+            "accumulate_calls=1."
+        )
 
 
 class StepOptimizer(OptimizerView):

@@ -13,8 +13,9 @@ from typing import Any
 from torch import nn
 
 from ..errors import ConfigError
+from ._forward import forward_under
 
-__all__ = ["amp_of", "fabric_options"]
+__all__ = ["amp_of", "fabric_options", "keep_precision"]
 
 _AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 _STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
@@ -48,6 +49,19 @@ def fabric_options(
     ddp_kwargs = dict(getattr(fabric.strategy, "_ddp_kwargs", None) or {})
     ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
     return {"amp": amp_of(fabric.strategy.precision.precision), "ddp_kwargs": ddp_kwargs, **options}
+
+
+def keep_precision(fabric: Any, model: nn.Module) -> None:
+    """The model's forward inside Fabric's precision plugin (``forward_context``, with
+    ``convert_input`` / ``convert_output``), as ``fabric.setup(model)``'s ``_FabricModule``
+    runs it: the script's evaluation through ``step.model`` is Fabric's under "bf16-mixed" and
+    "16-mixed" ("32-true" changes nothing)."""
+    precision = fabric.strategy.precision
+    if amp_of(precision.precision) is None:
+        return
+    forward_under(
+        model, precision.forward_context, precision.convert_output, precision.convert_input
+    )
 
 
 def amp_of(precision: str) -> str | None:

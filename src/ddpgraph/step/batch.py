@@ -59,12 +59,16 @@ class GraphKey:
     ``role`` is "train" (steps the optimizer), "micro" (an ``accumulate_calls`` micro-batch: no
     sync, no update) or "eval"; ``modes`` is every submodule's ``training`` flag (a graph never
     replays in another mode than it was captured in); ``signature`` the inputs, including for
-    ``step(data)`` the DeviceData it gathers from (another data set never replays its graph).
+    ``step(data)`` the DeviceData it gathers from (another data set never replays its graph);
+    ``divisor`` a short window's own loss divisor (``step(..., window=n)``).
     """
 
     role: Role
     modes: tuple[bool, ...]
     signature: Signature
+    # what an accumulate_calls micro-batch divides its loss by (a constant of its graph): the
+    # window's length, accumulate_calls unless the script said window=n; 0 where none applies
+    divisor: int = 0
 
     @property
     def trains(self) -> bool:

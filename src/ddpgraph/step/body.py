@@ -53,6 +53,9 @@ class StepBody:
         self.accumulate = options.accumulate
         self.accumulate_calls = options.accumulate_calls
         self.sync_every_call = options.sync_every_call
+        # the current accumulate_calls window's loss divisor (set by the policy at each call:
+        # accumulate_calls, or the script's window=n for a short window)
+        self.divisor = options.accumulate_calls
         self.clip_grad_norm = options.clip_grad_norm
         self.measure_grad_norm = options.grad_norm
         self.grad_norm: torch.Tensor | None = None  # of the latest update (None: not measured)
@@ -92,7 +95,7 @@ class StepBody:
                     loss, output = self._loss(micro)
                 _check_scalar_loss(loss)
                 seeded = loss if self.finite is None else self.finite.seed(loss)
-                self.precision.backward(seeded / (self.accumulate * calls))
+                self.precision.backward(seeded / (self.accumulate * self.divisor))
             part = loss.detach().float() / self.accumulate
             total = part if total is None else total + part
         assert total is not None

@@ -90,11 +90,11 @@ class CpuGraphSet(Graphs):
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:
+        self.plan.sync_lr()  # as Graphs.replay: before the guard (betas become tensors here)
         findings = self.check()
         captured = self._graphs.get(key)
         if captured is None:
             return Replayed(None, findings)
-        self.plan.sync_lr()
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
         self._programs[key].replay()

@@ -41,10 +41,11 @@ class FromFrameworks:
         micro-batch then syncs, as its prepared DDP did): :mod:`ddpgraph.integrations.accelerate`."""
         from ..integrations.accelerate import accelerator_options, attach
 
+        said = "accumulate_calls" in options  # else a script accumulating by hand is refused
         step = cls(
             model, optimizer, loss_fn, **accelerator_options(accelerator, model, optimizer, options)
         )
-        attach(accelerator, step, model)
+        attach(accelerator, step, model, window_said=said)
         return step
 
     @classmethod
@@ -55,10 +56,11 @@ class FromFrameworks:
         """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp):
         :mod:`ddpgraph.integrations.fabric`."""
         from ..integrations._optim import refuse_script_steps
-        from ..integrations.fabric import fabric_options
+        from ..integrations.fabric import fabric_options, keep_precision
 
         step = cls(model, optimizer, loss_fn, **fabric_options(fabric, model, optimizer, options))
         refuse_script_steps(optimizer, "the TrainStep built by from_fabric")
+        keep_precision(fabric, model)  # the script's forwards through step.model: Fabric's
         return step
 
     def _loop_ends_window(self, window: Window, last: bool) -> bool:

@@ -33,6 +33,7 @@ from ..errors import explain_exception
 from .batch import Batch, GraphKey, Role
 from .optim import (
     GraphSafeOptimizer,
+    describe_group_changes,
     hyperparameters,
     make_graph_safe,
     restore_identities,
@@ -226,6 +227,7 @@ class Graphs:
         replayed when no graph of ``key`` exists or the guard dropped the training graphs (a
         re-capture is due); ``findings`` says what the guard found either way.
         """
+        self.plan.sync_lr()  # before the guard: betas a scheduler rewrote become tensors here
         findings = self.check()
         captured = self._graphs.get(key)
         if captured is None:
@@ -365,8 +367,9 @@ class ReplayGuard:
             or self._current_slot_pointers() != self._slot_pointers
         ):
             self._restore_optimizer(found)
-        if hyperparameters(self.optimizer) != self._groups:
-            found.changes.append("an optimizer param-group value changed")
+        groups = hyperparameters(self.optimizer)
+        if groups != self._groups:
+            found.changes.append(describe_group_changes(self.optimizer, self._groups, groups))
             found.recapture = True
         return found
 

@@ -112,20 +112,23 @@ class CapturePolicy:
         return self.body.parallel
 
     # ----------------------------------------------------------------- a training call
-    def train(self, batch: Batch, steps: int, *, last: bool = False) -> torch.Tensor:
+    def train(
+        self, batch: Batch, steps: int, *, last: bool = False, window: int | None = None
+    ) -> torch.Tensor:
         """One call, watched: ``steps`` training steps (``step(data)``) or one (micro-)step;
         ``last`` ends an ``accumulate_calls`` window at this call (sync and update on what it
-        holds)."""
+        holds); ``window`` is the script's length of this call's window (its loss divisor)."""
         self.call_steps = steps
         self.parallel.before_call()  # FSDP2: undo the script's unshard() before its state is read
         loss: torch.Tensor = self._watched(
-            self.watch_phase(), lambda: self._train_call(batch, last)
+            self.watch_phase(), lambda: self._train_call(batch, last, window)
         )
         return loss
 
-    def _train_call(self, batch: Batch, last: bool) -> torch.Tensor:
+    def _train_call(self, batch: Batch, last: bool, window: int | None) -> torch.Tensor:
         self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
-        starts = self.window.begin(batch, last, self.parallel.script_sync())
+        starts = self.window.begin(batch, last, self.parallel.script_sync(), window)
+        self.body.divisor = self.window.divisor
         self._follow_trainable()
         if starts and not self.body.sync_every_call:
             # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
@@ -285,7 +288,7 @@ class CapturePolicy:
         return tuple(m.training for m in self._submodules)
 
     def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
-        return GraphKey(self.window.role(), modes, batch.signature)
+        return GraphKey(self.window.role(), modes, batch.signature, self.body.divisor)
 
     # ----------------------------------------------------------------- capture
     def _first_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:

@@ -197,13 +197,24 @@ class TrainStep(FromFrameworks):
         self._report.skipped_steps = self._precision.skipped_steps()
         return self._report
 
-    def __call__(self, *args: Any, steps: int | None = None, last: bool = False) -> torch.Tensor:
+    def __call__(
+        self, *args: Any, steps: int | None = None, last: bool = False, window: int | None = None
+    ) -> torch.Tensor:
         """One training step, or with ``accumulate_calls=k`` one micro-batch: the k-th call of a
         window syncs the gradients and steps the optimizer. ``last=True`` ends the window early
-        on the micro-batches taken (as accelerate does at the end of its data); the script's own
-        ``require_backward_grad_sync`` / ``no_sync()`` is read the same way (:mod:`.window`)."""
+        on the micro-batches taken (as accelerate does at the end of its data; each still divides
+        its loss by k); the script's own ``require_backward_grad_sync`` / ``no_sync()`` is read
+        the same way, its sync turned back on as the window's end (:mod:`.window`).
+        ``window=n`` (1 <= n <= k, the same on each call of a window) says this window has n
+        micro-batches, each dividing its loss by n, as timm's ``train.py`` divides an epoch's
+        short last window (``step(x, y, window=accum_steps)``)."""
         self._policy.check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
+            if window is not None or last:
+                raise ConfigError(
+                    "step(data, window=/last=): a DeviceData call runs whole training steps "
+                    "(steps_per_replay), no accumulate_calls window; drop them."
+                )
             return self._run_data(args[0], steps)
         self._feed.check_batch_call(steps)
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
@@ -211,7 +222,7 @@ class TrainStep(FromFrameworks):
         self._policy.check_shape(batch)
         last = self._loop_ends_window(self._policy.window, last)
         try:  # no frame of its own: this is the replayed path
-            loss = self._policy.train(batch, 1, last=last)
+            loss = self._policy.train(batch, 1, last=last, window=window)
         except RuntimeError as exc:
             _raise_if_peer_gone(exc, self._report.steps)
             raise

@@ -4,6 +4,11 @@ k calls take one micro-batch each; the k-th (or one with ``last=True``, or one w
 script's own sync control says so) syncs the gradients and steps the optimizer; with
 ``defer_update=True`` the step waits for ``step.update()``. Every decision here is made from
 what each rank was given, so every rank decides the same and raises the same.
+
+A window's loss divisor is the script's: ``accumulate_calls`` (Accelerate, run_glue: a window
+cut short by ``last=True`` still divides by k), or with ``step(..., window=n)`` the window's own
+length n (timm's ``train.py`` divides its short last window by its length). A window the
+script's sync control ends short, with neither said, is refused: the step cannot know which.
 """
 
 from __future__ import annotations
@@ -26,9 +31,19 @@ class Window:
         self.micro_batches = 0  # micro-batches taken since the last update
         self.update_due = False  # defer_update: a synced window waits for step.update()
         self._ends_early = False  # this call ends its window early
+        self.length = self.calls  # micro-batches in the current window (window=n: n)
+        self._length_given = False  # the script said this window's length (window=n)
         self._last_input: int | None = None  # id of the latest batch's first tensor
 
-    def begin(self, batch: Batch, last: bool, script_sync: bool | None) -> bool:
+    @property
+    def divisor(self) -> int:
+        """What each micro-batch of the current window divides its loss by: the window's length
+        (``accumulate_calls``, or the script's ``window=n``)."""
+        return self.length
+
+    def begin(
+        self, batch: Batch, last: bool, script_sync: bool | None, length: int | None = None
+    ) -> bool:
         """Check a call before anything runs; whether it starts a window (k > 1)."""
         if self.update_due:
             raise ConfigError(
@@ -37,14 +52,22 @@ class Window:
                 "step.update() (its optimizer.step() line); call it once per window, after the "
                 "last micro-batch and after setting the LR."
             )
-        self._ends_early = self._end_asked(last, script_sync)
+        before = self.length, self._length_given
+        try:
+            self._take_length(length)
+            self._ends_early = self._end_asked(last, script_sync)
+            if self._ends_early and self.micro_batches < self.length - 1:
+                self._check_short_end(last)
+        except ConfigError:
+            self.length, self._length_given = before  # a refused call changes nothing
+            raise
         self._last_input = id(batch.tensors[0]) if batch.tensors else None
         return self.calls > 1 and self.micro_batches == 0
 
     def role(self) -> Role:
         """ "micro" for a call that only accumulates, "train" for one that steps the optimizer
         ("sync" where the step waits for ``step.update()``): each has its own graphs."""
-        last = self.micro_batches == self.calls - 1
+        last = self.micro_batches == self.length - 1
         if not (last or self._ends_early):
             return "micro"
         return "sync" if self.defer_update else "train"
@@ -53,6 +76,8 @@ class Window:
         """After a call of ``role`` ran."""
         self.micro_batches = 0 if role in ("train", "sync") else self.micro_batches + 1
         self.update_due = role == "sync"
+        if not self.micro_batches:
+            self.length, self._length_given = self.calls, False
 
     def take_update(self) -> None:
         """``step.update()``: check it applies a synced window, then mark it applied."""
@@ -129,13 +154,78 @@ class Window:
                 "optimizer step, one per call): the k-th call, or the first one with the sync "
                 "on again, syncs and steps."
             )
-        if last or self.micro_batches == self.calls - 1:
-            position = "step(..., last=True)" if last else f"call {self.calls} of {self.calls}"
+        if last or self.micro_batches == self.length - 1:
+            position = "step(..., last=True)" if last else f"call {self.length} of {self.length}"
             raise ConfigError(
                 f"the script turned the gradient sync off (require_backward_grad_sync = False, "
                 f"no_sync() or set_requires_gradient_sync(False)) on the window's last micro-batch ({position}, accumulate_calls="
-                f"{self.calls}): TrainStep syncs and steps there; set the flag True on the last "
-                "micro-batch, as DDP scripts do, or change accumulate_calls to the script's "
-                "micro-batches per step."
+                f"{self.calls}{self._length_words()}): TrainStep syncs and steps there, but the "
+                "script keeps accumulating; pass accumulate_calls= the script's micro-batches "
+                "per optimizer step (and window=n where one window is shorter, e.g. an epoch's "
+                "last)."
             )
         return False
+
+    def _take_length(self, length: int | None) -> None:
+        """``step(..., window=n)``: the script's length of this window (its loss divisor)."""
+        if length is None:
+            if self._length_given and self.micro_batches:
+                raise ConfigError(
+                    f"step() without window= inside a window the script said has "
+                    f"{self.length} micro-batches ({self.micro_batches} taken): pass the same "
+                    "window= on each of its calls."
+                )
+            return
+        if (
+            isinstance(length, bool)
+            or not isinstance(length, int)
+            or not (1 <= length <= self.calls)
+        ):
+            raise ConfigError(
+                f"step(..., window={length!r}): the window's number of micro-batches must be an "
+                f"int from 1 to accumulate_calls={self.calls} (the script's micro-batches in "
+                "this window, e.g. timm's accum_steps, which is shorter in an epoch's last "
+                "window)."
+            )
+        if self.micro_batches and (length != self.length or not self._length_given):
+            raise ConfigError(
+                f"step(..., window={length}) on micro-batch {self.micro_batches + 1} of a window "
+                f"that began as {self.length} micro-batches: its first micro-batches already "
+                "divided their loss by that. Pass the window's length from its first call on "
+                "(timm: accum_steps becomes the last window's length at that window's first "
+                "batch)."
+            )
+        if self.micro_batches >= length:
+            raise ConfigError(  # unreachable while each window= agrees; kept as a guard
+                f"step(..., window={length}) after {self.micro_batches} micro-batches."
+            )
+        self.length, self._length_given = length, True
+
+    def _length_words(self) -> str:
+        return f", window={self.length}" if self._length_given else ""
+
+    def _check_short_end(self, last: bool) -> None:
+        """A window ends before its length: with ``last=True`` (its divisor stays k), unless the
+        script said another length; by the script's sync control alone, whose divisor (its
+        length or k) the step cannot tell."""
+        taken = self.micro_batches + 1
+        if self._length_given:
+            how = "last=True" if last else "the gradient sync turned back on"
+            raise ConfigError(
+                f"{how} on micro-batch {taken} of a window the script said has {self.length} "
+                f"(window={self.length}): its micro-batches divided their loss by "
+                f"{self.length}. Pass window={taken} from the window's first call on, or end it "
+                f"on its {self.length}th call."
+            )
+        if last:
+            return
+        raise ConfigError(
+            f"the script turned the gradient sync back on at micro-batch {taken} of "
+            f"accumulate_calls={self.calls} micro-batches, ending a short window (an epoch's "
+            "last?), and said nothing of its loss divisor: TrainStep cannot tell whether the "
+            "script divides that window's loss by its length (timm's train.py: accum_steps "
+            "becomes the last window's length) or by accumulate_calls (Accelerate, "
+            "run_glue_no_trainer.py). Pass window=<the window's length> on each of its calls "
+            "(timm: step(input, target, window=accum_steps)) for the first, last=True on its "
+            "last call for the second."
+        )

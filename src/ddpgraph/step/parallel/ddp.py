@@ -62,6 +62,7 @@ class DDP(DataParallel):
         self._kwargs, self._stream = kwargs, stream
         self.inner = module
         self.device = device
+        self._script_off = False  # the script's no_sync() was on at some earlier call
         self._build()
 
     def _build(self) -> None:
@@ -143,9 +144,15 @@ class DDP(DataParallel):
         del old
 
     def script_sync(self) -> bool | None:
-        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it)."""
+        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it); once a script
+        has used it, every call outside it is True, a window's end (timm's ``if not need_update:
+        with model.no_sync(): ...`` else a plain call: a short last window of one micro-batch
+        follows a full one), as FSDP2's."""
         if not self.ddp.require_backward_grad_sync:
+            self._script_off = True
             return False
+        if self._script_off:
+            return True
         return super().script_sync()
 
     # ----------------------------------------------------------------- capture preconditions

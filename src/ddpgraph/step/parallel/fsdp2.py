@@ -146,16 +146,13 @@ class FSDP2(DataParallel):
     def script_sync(self) -> bool | None:
         """The script's own ``model.set_requires_gradient_sync(False)`` kept around ``step()``
         (a plain FSDP2 loop's accumulation), read from FSDP2's parameter groups: False while it
-        is off (a micro-batch of the window), True on the call where the script turned it on
-        again (the window's end, as DDP's ``require_backward_grad_sync``), else None. One read
-        per parameter group."""
+        is off (a micro-batch of the window), True on every call with it on once the script has
+        turned it off (a window's end, as DDP's ``no_sync``: two such calls in a row are a window
+        and a short window of one), else None. One read per parameter group."""
         if not all(group.reduce_grads for group in self._flags):
             self._script_off = True
             return False
-        if self._script_off:
-            self._script_off = False
-            return True
-        return None
+        return True if self._script_off else None
 
     # ----------------------------------------------------------------- forward and backward
     @contextlib.contextmanager

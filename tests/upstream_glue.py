@@ -1,0 +1,253 @@
+"""transformers' ``run_glue_no_trainer.py`` (pinned in ../shared/upstream/), run as written and as
+the Accelerate guide ports it, on 2 gloo ranks (workers of tests/test_upstream_scripts.py).
+
+The script runs unchanged through ``runpy`` with local inputs the test makes (a tiny BERT saved
+with ``save_pretrained``, its tokenizer, CSV files, and an ``accuracy`` metric script in the
+working directory, which ``evaluate.load("accuracy")`` loads before looking for a hub). What is
+compared is recorded from outside the script: at each prepared scheduler's ``step()`` (the
+script steps it after each optimizer step) the LR and every parameter; each training loss (the
+model's output in the original, ``train_step``'s return in the port); each evaluation forward's
+logits and every ``metric.compute()``; and the files ``save_state`` and ``save_pretrained``
+wrote. The port runs with ``CpuGraphs`` (the TrainStep's engine patched in, the script
+unchanged apart from the guide's lines).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .framework_workers import tensors_of
+from .upstream import ported
+
+FOLDER, NAME = "transformers_run_glue_no_trainer", "run_glue_no_trainer.py"
+ROWS, EVAL_ROWS = 96, 16  # 12 batches of 4 a rank: at k = 2 windows of 1, 2, ..., 2, 1 calls
+
+_WORDS = ["good", "bad", "fine", "awful", "great", "poor", "nice", "ugly", "happy", "sad"]
+
+METRIC = """import datasets
+import evaluate
+
+
+class Accuracy(evaluate.Metric):
+    def _info(self):
+        return evaluate.MetricInfo(
+            description="accuracy", citation="", inputs_description="",
+            features=datasets.Features(
+                {"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}
+            ),
+        )
+
+    def _compute(self, predictions, references):
+        right = sum(int(p == r) for p, r in zip(predictions, references))
+        return {"accuracy": right / len(references)}
+"""
+
+# the script's training lines the guide's diffs replace
+_SCRIPT_FORWARD = (
+    "            outputs = model(**batch)\n"
+    "            loss = outputs.loss\n"
+    "            # We keep track of the loss at each epoch\n"
+    "            if args.with_tracking:\n"
+    "                total_loss += loss.detach().float()\n"
+)
+_SCRIPT_UPDATE = (
+    "            loss = loss / args.gradient_accumulation_steps\n"
+    "            accelerator.backward(loss)\n"
+    "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
+    "                optimizer.step()\n"
+    "                lr_scheduler.step()\n"
+    "                optimizer.zero_grad()\n"
+)
+
+# the guide's "A loop that accumulates by hand" (docs/guides/accelerate.md), line for line
+HAND_PORT = [
+    (
+        "from transformers.utils import check_min_version\n",
+        "from transformers.utils import check_min_version\n\nfrom ddpgraph import TrainStep\n",
+    ),
+    (
+        "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+        "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
+        "    )\n",
+        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+        "        train_dataloader, eval_dataloader, lr_scheduler\n"
+        "    )\n"
+        "    train_step = TrainStep.from_accelerator(\n"
+        "        accelerator, model, optimizer, accumulate_calls=args.gradient_accumulation_steps\n"
+        "    )\n"
+        "    model = train_step.model\n"
+        "    k = args.gradient_accumulation_steps\n",
+    ),
+    (
+        _SCRIPT_FORWARD + _SCRIPT_UPDATE,
+        "            last = step % k == 0 or step == len(train_dataloader) - 1\n"
+        "            loss = train_step(batch, last=last)\n"
+        "            # We keep track of the loss at each epoch\n"
+        "            if args.with_tracking:\n"
+        "                total_loss += loss.detach().float()\n"
+        "            if last:\n"
+        "                lr_scheduler.step()\n",
+    ),
+]
+
+# the guide's first diff alone (no accumulate_calls): 13 changed lines
+FIRST_DIFF_PORT = [
+    HAND_PORT[0],
+    (
+        HAND_PORT[1][0],
+        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+        "        train_dataloader, eval_dataloader, lr_scheduler\n"
+        "    )\n"
+        "    train_step = TrainStep.from_accelerator(accelerator, model, optimizer)\n"
+        "    model = train_step.model\n",
+    ),
+    (
+        _SCRIPT_UPDATE,
+        "            if step % args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:\n"
+        "                lr_scheduler.step()\n",
+    ),
+    (
+        "            outputs = model(**batch)\n            loss = outputs.loss\n            # We keep",
+        "            loss = train_step(batch)\n            # We keep",
+    ),
+]
+
+
+def make_inputs(folder: Path) -> None:
+    """The tiny model, tokenizer, data and metric the script reads (no hub)."""
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+
+    model_dir = folder / "model"
+    model_dir.mkdir(parents=True)
+    vocab = model_dir / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]) + "\n")
+    BertTokenizer(str(vocab)).save_pretrained(model_dir)
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=len(_WORDS) + 5, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, num_labels=2,
+    )  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(3)
+    for name, rows in (("train.csv", ROWS), ("validation.csv", EVAL_ROWS)):
+        lines = ["sentence,label"]
+        for _ in range(rows):
+            words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (5,), generator=gen)]
+            lines.append(f"{' '.join(words)},{int(sum(_WORDS.index(w) < 5 for w in words) > 2)}")
+        (folder / name).write_text("\n".join(lines) + "\n")
+    (folder / "accuracy").mkdir()
+    (folder / "accuracy" / "accuracy.py").write_text(METRIC)
+
+
+def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, Any]:
+    """One rank of the script (``variant`` "original"), or of its port ("hand" or "first_diff"),
+    with ``flags``; what it recorded."""
+    base = Path(folder)
+    out = base / variant
+    text = Path(script).read_text(encoding="utf-8")
+    if variant != "original":
+        text = ported(text, HAND_PORT if variant == "hand" else FIRST_DIFF_PORT)
+    path = base / f"{variant}_{NAME}"
+    if int(os.environ.get("RANK", "0")) == 0:
+        path.write_text(text)
+    torch.distributed.barrier()
+    os.chdir(base)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[key] = "1"
+    os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / variant)
+    os.environ["HF_MODULES_CACHE"] = str(base / "modules")
+    os.environ["ACCELERATE_USE_CPU"] = "true"  # the README's snag: else accelerate wants a GPU
+    record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "metrics": []}
+    # the port's losses are train_step's returns; not for the refused first diff, whose error
+    # names the line that called the step (the script's, not a wrapper's)
+    _record(record, training_losses=variant == "original", step_losses=variant == "hand")
+    sys.argv = [
+        str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
+        "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
+        "--per_device_eval_batch_size", "4", "--pad_to_max_length", "--max_length", "12",
+        "--seed", "0", "--output_dir", str(out), *flags,
+    ]  # fmt: skip
+    runpy.run_path(str(path), run_name="__main__")
+    return record
+
+
+def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) -> None:
+    import evaluate
+    from accelerate.scheduler import AcceleratedScheduler
+    from transformers import AutoModelForSequenceClassification
+
+    import ddpgraph
+    from ddpgraph.step import train_step as train_step_module
+    from ddpgraph.testing import CpuGraphs
+
+    scheduler_step = AcceleratedScheduler.step
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = scheduler_step(self, *args, **kwargs)
+        record["lrs"].append(self.get_last_lr())
+        params = [p for g in self.scheduler.optimizer.param_groups for p in g["params"]]
+        record["updates"].append(tensors_of(params))
+        return result
+
+    AcceleratedScheduler.step = step  # type: ignore[method-assign]
+    loading = AutoModelForSequenceClassification.from_pretrained
+
+    def from_pretrained(*args: Any, **kwargs: Any) -> Any:
+        model = loading(*args, **kwargs)
+
+        def hook(module: Any, inputs: Any, output: Any) -> None:
+            if not module.training:
+                record["logits"].append(output.logits.detach().clone())
+            elif training_losses:
+                record["losses"].append(output.loss.detach().clone())
+
+        model.register_forward_hook(hook)
+        return model
+
+    AutoModelForSequenceClassification.from_pretrained = from_pretrained  # type: ignore[method-assign]
+    compute = evaluate.EvaluationModule.compute
+
+    def computed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        """Compute (evaluate copies this function and appends to its docstring)."""
+        result = compute(self, *args, **kwargs)
+        record["metrics"].append(result)
+        return result
+
+    evaluate.EvaluationModule.compute = computed  # type: ignore[method-assign]
+    call = ddpgraph.TrainStep.__call__
+
+    def train_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = call(self, *args, **kwargs)
+        record["losses"].append(loss.detach().clone())
+        record["report"] = str(self.report())
+        return loss
+
+    if step_losses:
+        ddpgraph.TrainStep.__call__ = train_call  # type: ignore[method-assign]
+    build = train_step_module.build_graphs
+
+    def build_graphs(engine: Any, *args: Any) -> Any:  # "The CPU judges like the GPU"
+        return build(engine or CpuGraphs(), *args)
+
+    train_step_module.build_graphs = build_graphs  # type: ignore[assignment]
+
+
+def saved(out: Path) -> dict[str, list[torch.Tensor]]:
+    """Every tensor of each file ``save_state`` / ``save_pretrained`` wrote under ``out``, by
+    relative path (read once every rank has finished)."""
+    from safetensors.torch import load_file
+
+    found: dict[str, list[torch.Tensor]] = {}
+    for path in sorted(out.rglob("*")):
+        name = str(path.relative_to(out))
+        if path.suffix == ".safetensors":
+            found[name] = tensors_of(load_file(path))
+        elif path.suffix == ".bin":
+            found[name] = tensors_of(torch.load(path, weights_only=False))
+    return found
