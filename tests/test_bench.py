@@ -196,9 +196,10 @@ def test_bench_on_a_full_disk_is_one_line_exit_1_and_nothing_half_written(tmp_pa
     mount, job, left = _bench_on_tiny_disk(tmp_path, leave_free_kib=0)
     assert _the_one_error_line(job) == (
         f"ddpgraph: error: could not write {mount}/b.json: no space left on the device (0.0 MiB "
-        "free; [Errno 28] No space left on device). Free space there or pass another --out (the "
-        "results are printed above); nothing half-written was left."
-    )
+        "free; [Errno 28] No space left on device). Free space there or pass another --out "
+        f"(nothing was written to {mount}/b.json; each finished repeat's times are printed "
+        "above); nothing half-written was left."
+    )  # the table comes at the end: what is printed is the repeats' lines (issue 50, item 13)
     assert "[bench] MLP 2x64 b8 (quick) 1/1: eager_ddp" in job.stdout  # the results, kept
     assert left == [".fill"]  # no JSON, no partial file
 
