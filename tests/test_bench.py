@@ -75,7 +75,12 @@ def test_a_cpu_bench_is_warned_that_ratios_measure_nothing_and_a_full_one_is_slo
     full = cpu_warnings(cpu, [CONFIGS["mlp"], CONFIGS["resnet50"]])
     assert len(full) == 2
     assert "MLP 8x1024 b64, ResNet-50 b32 fp32 on CPU take(s) many minutes" in full[1]
-    assert "pass --quick" in full[1]
+    assert "pass --quick" in full[1] and "(or --steps 5 --repeats 1)" in full[1]
+    # a run that is already that short is not told to be (issue 50, item 15)
+    (_, short) = cpu_warnings(cpu, [CONFIGS["resnet50"]], steps=5, repeats=1)
+    assert "--steps 5" not in short and "--repeats 1" not in short
+    (_, fewer) = cpu_warnings(cpu, [CONFIGS["resnet50"]], steps=5, repeats=3)
+    assert fewer.endswith("for a smoke run (or --repeats 1).")
 
 
 def test_bench_out_that_cannot_be_written_is_refused_before_the_run(tmp_path):

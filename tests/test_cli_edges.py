@@ -432,3 +432,59 @@ def test_a_default_bench_without_torchvision_leaves_resnet50_out_and_says_so(tmp
         "ddpgraph bench: note: not measuring ResNet-50: the ResNet-50 configs need torchvision"
         in (result.output)
     )
+
+
+# --- 12. TrainStep refuses a loss class and a model with nothing to train ----------------------
+
+
+@pytest.mark.parametrize("loss", [torch.nn.MSELoss, torch.nn.CrossEntropyLoss])
+def test_train_step_refuses_a_loss_class_at_construction(loss):
+    import ddpgraph as dg
+    from ddpgraph.errors import ConfigError
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ConfigError) as refused:
+        dg.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), loss)
+    name = loss.__name__
+    assert str(refused.value) == (
+        f"loss_fn={name} is the class, not a loss; pass an instance: loss_fn={name}()."
+    )
+
+
+def test_train_step_refuses_a_model_whose_parameters_are_all_frozen():
+    import ddpgraph as dg
+    from ddpgraph.errors import ConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    model.requires_grad_(False)
+    with pytest.raises(ConfigError) as refused:
+        dg.TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.nn.MSELoss())
+    assert str(refused.value).startswith(
+        "every parameter of the model (Sequential, 4 tensors) has requires_grad=False: there is "
+        "nothing to train. Unfreeze"
+    )
+    model[1].requires_grad_(True)  # a head left trainable (fine-tuning) is accepted
+    dg.TrainStep(model, torch.optim.SGD(model[1].parameters(), lr=0.1), torch.nn.MSELoss())
+
+
+# --- 8. FSDP2 on the built-in ResNet -------------------------------------------------------------
+
+
+def test_fsdp2_shards_the_blocks_of_a_sequential_model_once_each():
+    from ddpgraph.demo.models import build_model
+    from ddpgraph.step.parallel.fsdp2 import _block_names
+
+    names = _block_names(build_model("resnet"))
+    # the root's children only: a block's own shortcut Sequential is inside a block
+    assert names == ["0", "1", "3", "4", "7"]
+
+
+@pytest.mark.timeout(300)
+def test_train_fsdp2_resnet_trains(tmp_path):
+    out = tmp_path / "run"
+    job = run_python(["-m", "ddpgraph", "train", "--parallel", "fsdp2", "--model", "resnet",
+                      "--steps", "4", "--out", str(out)], timeout=280)  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "Traceback" not in job.stderr and "FAILED" not in job.stderr
+    assert job.stderr.strip().splitlines()[-1] == "ddpgraph train: finished all 4 steps"
+    assert json.loads((out / "run.json").read_text())["config"]["parallel"] == "fsdp2"

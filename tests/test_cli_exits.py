@@ -53,6 +53,9 @@ def test_a_checkpoint_into_a_read_only_folder_asks_for_write_access_not_space(tm
     ), job.stdout
     assert "Make it writable or save elsewhere" in job.stdout
     assert "Free space" not in job.stdout
+    # a read-only folder never got a partial folder: none is said to be removed (issue 50)
+    assert "nothing of it was written and the older checkpoints are kept" in job.stdout
+    assert "partial" not in job.stdout
 
 
 # --- bench: Ctrl-C after a repeat, options that a run would ignore ------------------------------

@@ -256,7 +256,10 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         optimizer,
         nn.CrossEntropyLoss(),
         scheduler=scheduler,
-        channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
+        # conv kernels run faster in NHWC; FSDP2 shards only contiguous parameters ("FSDP does
+        # not support non-contiguous parameters"): its ResNet keeps NCHW weights, and the
+        # batches (DeviceData below) stay NHWC, which the convolutions follow
+        channels_last=config.model == "resnet" and config.parallel != "fsdp2",
         steps_per_replay=feed.steps_per_call,
         parallel="fsdp2" if config.parallel == "fsdp2" else "auto",
         check_finite=True,  # a diverged run stops with the step, never "finished" on NaN
