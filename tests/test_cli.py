@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from ddpgraph.cli import cli
 
-from .procs import child_env, run_python
+from .procs import child_env, run_python, sigint_default
 
 BAD_LAUNCHER_ENV = {"RANK": "0", "WORLD_SIZE": "x"}  # init() refuses it with a ConfigError
 MESSAGE = "WORLD_SIZE='x' is not an integer; launch with torchrun, which sets it"
@@ -53,6 +53,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, which a terminal's Ctrl-C signals
+        preexec_fn=sigint_default,  # as from a terminal, also when the suite runs in background
     )
 
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from ddpgraph.cli import cli
 
-from .procs import child_env, run_python
+from .procs import child_env, run_python, sigint_default
 
 
 def _fake_run(names, *, modes, steps, repeats, quick, out):
@@ -122,17 +122,13 @@ def test_bench_out_naming_a_folder_writes_the_default_name_in_it(tmp_path, fake_
 # --- 3. Ctrl-C once run.json is written ---------------------------------------------------------
 
 
-def _sigint_default() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 @pytest.mark.timeout(300)
 def test_ctrl_c_after_run_json_is_written_reports_the_finished_run(tmp_path):
     out = tmp_path / "run"
     job = subprocess.Popen(
         [sys.executable, "-m", "ddpgraph", "train", "--steps", "40", "--out", str(out)],
         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=_sigint_default,
+        start_new_session=True, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         assert job.stdout is not None
@@ -488,3 +484,21 @@ def test_train_fsdp2_resnet_trains(tmp_path):
     assert "Traceback" not in job.stderr and "FAILED" not in job.stderr
     assert job.stderr.strip().splitlines()[-1] == "ddpgraph train: finished all 4 steps"
     assert json.loads((out / "run.json").read_text())["config"]["parallel"] == "fsdp2"
+
+
+# --- 20. the Ctrl-C tests do not depend on how the suite was started ---------------------------
+
+
+def test_children_get_sigint_s_default_even_when_the_suite_ignores_it():
+    """As under `nohup`, `cmd &` or a CI runner: SIGINT ignored in the test process."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        probe = (
+            "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+        )
+        assert run_python(["-c", probe], timeout=60).stdout.strip() == "True"
+        job = subprocess.Popen([sys.executable, "-c", probe], stdout=subprocess.PIPE, text=True,
+                               preexec_fn=sigint_default)  # fmt: skip
+        assert job.communicate(timeout=60)[0].strip() == "True"
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -22,7 +22,7 @@ from ddpgraph.demo.train import TrainConfig
 from ddpgraph.distributed.launch import torchrun_args
 from ddpgraph.errors import ConfigError
 
-from .procs import child_env, on_tiny_disk
+from .procs import child_env, on_tiny_disk, sigint_default
 
 # --- checkpoints into a read-only folder -------------------------------------------------------
 
@@ -67,7 +67,7 @@ def test_ctrl_c_after_a_bench_repeat_is_exit_130_and_says_the_repeats_kept(tmp_p
     job = subprocess.Popen(
         [sys.executable, "-m", "ddpgraph", "bench", "--quick", "--steps", "3000", "--out", str(out)],
         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         assert job.stdout is not None

@@ -21,6 +21,8 @@ from ddpgraph.cli import cli
 from ddpgraph.demo.train import TrainConfig, run_worker
 from ddpgraph.testing import run_distributed
 
+from ..procs import sigint_default
+
 STEPS = 200  # ~2 s of training on 2 CPU ranks: room to kill a rank after the first checkpoint
 
 
@@ -105,6 +107,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group: the finally above can end all of it
+        preexec_fn=sigint_default,  # Ctrl-C reaches it also when the suite runs in background
     )
 
 
