@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -502,3 +503,71 @@ def test_children_get_sigint_s_default_even_when_the_suite_ignores_it():
         assert job.communicate(timeout=60)[0].strip() == "True"
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# --- 18, 19. --help says the real limits and exit statuses --------------------------------------
+
+
+@pytest.mark.parametrize("command", ["train", "doctor"])
+def test_nproc_help_gives_the_cpu_limit_the_option_checks(command):
+    from ddpgraph.distributed.launch import RANKS_PER_CORE
+
+    text = " ".join(CliRunner().invoke(cli, [command, "--help"]).output.split())
+    assert f"at most one per local GPU, or {RANKS_PER_CORE} per CPU core without GPU" in text
+    assert "(or CPU core)" not in text
+
+
+def test_explain_help_names_the_usage_error_status():
+    text = " ".join(CliRunner().invoke(cli, ["explain", "--help"]).output.split())
+    assert "Exit status: 0 when the error is known, 1 otherwise, 2 for a usage error" in text
+    assert CliRunner().invoke(cli, ["explain", ""]).exit_code == 2  # as it says
+
+
+# --- 21. the docs show what runs, and what prints ----------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _first_python_block(text: str, after: str) -> str:
+    return text.split(after, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readme_example_and_the_docs_quickstart_are_one_script():
+    readme = _first_python_block((ROOT / "README.md").read_text(), "## Example\n")
+    index = _first_python_block((ROOT / "docs" / "index.md").read_text(), "## Quickstart\n")
+    assert readme == index
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the sample is of a machine without a GPU")
+def test_the_doctor_sample_in_the_docs_is_what_doctor_prints(tmp_path):
+    doc = (ROOT / "docs" / "guides" / "diagnostics.md").read_text()
+    sample = doc.split("On a machine without a GPU:\n\n```text\n", 1)[1].split("```", 1)[0]
+    job = run_python(["-m", "ddpgraph", "doctor"], env={"COLUMNS": "80"}, timeout=280)
+    assert job.returncode == 0, job.stderr[-3000:]
+    printed = job.stdout[job.stdout.index(sample.splitlines()[0].strip()) :]
+    assert [line.strip() for line in sample.strip().splitlines()] == [
+        line.strip() for line in printed.strip().splitlines()
+    ]
+
+
+def test_a_failed_train_run_leaves_no_progress_bar_at_zero(capsys):
+    from ddpgraph.demo.progress import Progress
+
+    with pytest.raises(RuntimeError), Progress(True, 300) as progress:
+        progress.note("data held on cpu")
+        raise RuntimeError("diverged")
+    out = capsys.readouterr().out
+    assert "data held on cpu" in out
+    assert "0/300" not in out and "train" not in out.replace("ddpgraph train:", "")
+
+
+@pytest.mark.timeout(200)
+def test_a_bench_repeat_line_is_one_line_in_a_narrow_terminal(tmp_path, monkeypatch, capsys):
+    from ddpgraph.bench import run_bench
+
+    monkeypatch.setenv("COLUMNS", "40")
+    run_bench([], modes=None, steps=5, repeats=1, quick=True, out=tmp_path / "b.json")
+    (line,) = [text for text in capsys.readouterr().out.splitlines() if text.startswith("[bench]")]
+    assert re.fullmatch(r"\[bench\] .* 1/1: eager_ddp [\d.]+ ms \(1\.00x\), train_step [\d.]+ ms "
+                        r"\([\d.]+x\)", line), line  # fmt: skip

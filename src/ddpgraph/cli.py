@@ -26,6 +26,7 @@ from .cli_bench import (
 )
 from .cli_types import Bounded, FiniteFloatRange, InFolder, OutPath, ProcessCount
 from .demo.train import TRAIN_SAMPLES
+from .distributed.launch import RANKS_PER_CORE
 from .errors import ConfigError
 from .errors import explain as explain_error
 
@@ -115,8 +116,8 @@ def cli(debug: bool) -> None:
     "--nproc",
     type=ProcessCount(),
     default=None,
-    help="Worker processes, at most one per local GPU (or CPU core) [default: one per local "
-    "GPU, or 2 CPU workers on gloo without GPU].",
+    help=f"Worker processes: at most one per local GPU, or {RANKS_PER_CORE} per CPU core "
+    "without GPU [default: one per local GPU, or 2 CPU workers on gloo].",
 )
 @click.option(
     "--seed",
@@ -455,7 +456,8 @@ def explain(source: str) -> None:
     """Explain an error message: its causes, most likely first, and their fixes.
 
     SOURCE is the message itself, a file that holds it (a log or a traceback), or "-" to read
-    it from stdin. Exit status: 0 when the error is known, 1 otherwise.
+    it from stdin. Exit status: 0 when the error is known, 1 otherwise, 2 for a usage error
+    (an empty SOURCE, a missing file, a script).
     """
     found = explain_error(_read_message(source))
     if found is None:
@@ -570,8 +572,8 @@ def _decode(data: bytes) -> str:
     "--nproc",
     type=ProcessCount(),
     default=None,
-    help="Ranks for the self-test, at most one per local GPU (or CPU core) [default: one per "
-    "local GPU, or 2 CPU ranks on gloo].",
+    help=f"Ranks for the self-test: at most one per local GPU, or {RANKS_PER_CORE} per CPU "
+    "core without GPU [default: one per local GPU, or 2 CPU ranks on gloo].",
 )
 @click.option(
     "--timeout",
