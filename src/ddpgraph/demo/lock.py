@@ -58,8 +58,9 @@ class OutLock:
             else:
                 raise OutLockError(f"--out {out}: its lock file keeps changing; try again.")
             stale = _pid_in(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            with contextlib.suppress(OSError):  # a full disk: the lock holds without the pid
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except OSError as exc:
             raise OutLockError(_unwritable(out, exc)) from None
         return cls(out, fd, created, stale if stale != os.getpid() else None)
