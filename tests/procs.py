@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -13,6 +14,14 @@ import ddpgraph
 # The folder holding the ddpgraph package under test (a src/ checkout or site-packages): put
 # first on the children's PYTHONPATH so they import this very copy, not another installed one.
 PACKAGE_ROOT = str(Path(ddpgraph.__file__).resolve().parent.parent)
+
+
+def sigint_default() -> None:
+    """``preexec_fn`` of every child a test starts: SIGINT's default disposition, so that Python
+    in the child turns Ctrl-C into KeyboardInterrupt however the suite was started. A shell
+    starts a background job (``cmd &``, ``nohup``, a CI runner) with SIGINT ignored, and an
+    ignored signal stays ignored through exec: the child would never see the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -37,6 +46,7 @@ def run_python(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=sigint_default,
     )
 
 

@@ -75,7 +75,12 @@ def test_a_cpu_bench_is_warned_that_ratios_measure_nothing_and_a_full_one_is_slo
     full = cpu_warnings(cpu, [CONFIGS["mlp"], CONFIGS["resnet50"]])
     assert len(full) == 2
     assert "MLP 8x1024 b64, ResNet-50 b32 fp32 on CPU take(s) many minutes" in full[1]
-    assert "pass --quick" in full[1]
+    assert "pass --quick" in full[1] and "(or --steps 5 --repeats 1)" in full[1]
+    # a run that is already that short is not told to be (issue 50, item 15)
+    (_, short) = cpu_warnings(cpu, [CONFIGS["resnet50"]], steps=5, repeats=1)
+    assert "--steps 5" not in short and "--repeats 1" not in short
+    (_, fewer) = cpu_warnings(cpu, [CONFIGS["resnet50"]], steps=5, repeats=3)
+    assert fewer.endswith("for a smoke run (or --repeats 1).")
 
 
 def test_bench_out_that_cannot_be_written_is_refused_before_the_run(tmp_path):
@@ -196,9 +201,10 @@ def test_bench_on_a_full_disk_is_one_line_exit_1_and_nothing_half_written(tmp_pa
     mount, job, left = _bench_on_tiny_disk(tmp_path, leave_free_kib=0)
     assert _the_one_error_line(job) == (
         f"ddpgraph: error: could not write {mount}/b.json: no space left on the device (0.0 MiB "
-        "free; [Errno 28] No space left on device). Free space there or pass another --out (the "
-        "results are printed above); nothing half-written was left."
-    )
+        "free; [Errno 28] No space left on device). Free space there or pass another --out "
+        f"(nothing was written to {mount}/b.json; each finished repeat's times are printed "
+        "above); nothing half-written was left."
+    )  # the table comes at the end: what is printed is the repeats' lines (issue 50, item 13)
     assert "[bench] MLP 2x64 b8 (quick) 1/1: eager_ddp" in job.stdout  # the results, kept
     assert left == [".fill"]  # no JSON, no partial file
 

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from ddpgraph.cli import cli
 
-from .procs import child_env, run_python
+from .procs import child_env, run_python, sigint_default
 
 BAD_LAUNCHER_ENV = {"RANK": "0", "WORLD_SIZE": "x"}  # init() refuses it with a ConfigError
 MESSAGE = "WORLD_SIZE='x' is not an integer; launch with torchrun, which sets it"
@@ -53,6 +53,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, which a terminal's Ctrl-C signals
+        preexec_fn=sigint_default,  # as from a terminal, also when the suite runs in background
     )
 
 
@@ -186,7 +187,7 @@ def _bad_values(tmp_path: Path) -> dict[str, list[list[str]]]:
             ["--quick=yes"],
             ["--varlen=yes"],
             ["--varlen", "--hf", "nope", "--out", str(tmp_path / "hf.json")],
-            ["--out", str(tmp_path)],  # a directory, not a file
+            ["--out", str(a_file / "b.json")],  # in a file, not a folder
             ["--parallel", "zero"],
             ["--parallel", "fsdp2", "--config", "mlp", "--out", str(tmp_path / "f.json")],
         ],
@@ -288,6 +289,7 @@ def test_a_bench_mode_measured_on_some_configs_only_says_where_it_is_not(tmp_pat
     import ddpgraph.bench
 
     monkeypatch.setattr(ddpgraph.bench, "run_bench", _fake_bench_run)
+    monkeypatch.setattr(ddpgraph.bench, "torchvision_problem", lambda: None)  # as if installed
     args = ["--config", "mlp", "--config", "resnet50", "--mode", "train_step_channels_last"]
     result = CliRunner().invoke(cli, ["bench", *args, "--out", str(tmp_path / "b.json")])
     assert result.exit_code == 0, result.output

@@ -22,7 +22,7 @@ from ddpgraph.demo.train import TrainConfig
 from ddpgraph.distributed.launch import torchrun_args
 from ddpgraph.errors import ConfigError
 
-from .procs import child_env, on_tiny_disk
+from .procs import child_env, on_tiny_disk, sigint_default
 
 # --- checkpoints into a read-only folder -------------------------------------------------------
 
@@ -53,6 +53,9 @@ def test_a_checkpoint_into_a_read_only_folder_asks_for_write_access_not_space(tm
     ), job.stdout
     assert "Make it writable or save elsewhere" in job.stdout
     assert "Free space" not in job.stdout
+    # a read-only folder never got a partial folder: none is said to be removed (issue 50)
+    assert "nothing of it was written and the older checkpoints are kept" in job.stdout
+    assert "partial" not in job.stdout
 
 
 # --- bench: Ctrl-C after a repeat, options that a run would ignore ------------------------------
@@ -64,7 +67,7 @@ def test_ctrl_c_after_a_bench_repeat_is_exit_130_and_says_the_repeats_kept(tmp_p
     job = subprocess.Popen(
         [sys.executable, "-m", "ddpgraph", "bench", "--quick", "--steps", "3000", "--out", str(out)],
         env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, preexec_fn=sigint_default,
     )  # fmt: skip
     try:
         assert job.stdout is not None

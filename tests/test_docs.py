@@ -160,3 +160,13 @@ def test_graph_auto_on_a_machine_without_cuda_is_eager_without_a_warning_as_the_
         step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.MSELoss())
         step(torch.randn(3, 4), torch.randn(3, 2))
     assert step.mode == "eager" and "not CUDA" in step.report().fallbacks[0]
+
+
+@pytest.mark.timeout(PAGE_TIMEOUT_S + 30)
+def test_the_transformers_guide_runs_without_transformers_config_warnings(tmp_path) -> None:
+    """A reader who runs the guide sees its output, not transformers' complaints about the
+    snippet's own config (GPT-2's special tokens outside a tiny vocabulary, its unmapped loss
+    type: issue 50)."""
+    proc = _run(ROOT / "docs" / "guides" / "transformers.md", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Model config" not in proc.stderr and "loss_type" not in proc.stderr, proc.stderr

@@ -12,11 +12,21 @@ from pathlib import Path
 
 import click
 
-from . import __version__, _cli_start
+from . import __version__, _cli_start, _stdout
 from ._debug import DEBUG_ENV, REPORTED, debug_requested, request_debug
-from .cli_bench import modes_left_out, prepare_result_set, refuse_ignored_options, result_set
-from .cli_types import Bounded, FiniteFloatRange, OutPath, ProcessCount
+from .cli_bench import (
+    bench_out,
+    hf_names,
+    modes_left_out,
+    prepare_result_set,
+    refuse_colliding_out,
+    refuse_ignored_options,
+    result_set,
+    without_torchvision,
+)
+from .cli_types import Bounded, FiniteFloatRange, InFolder, OutPath, ProcessCount
 from .demo.train import TRAIN_SAMPLES
+from .distributed.launch import RANKS_PER_CORE
 from .errors import ConfigError
 from .errors import explain as explain_error
 
@@ -106,8 +116,8 @@ def cli(debug: bool) -> None:
     "--nproc",
     type=ProcessCount(),
     default=None,
-    help="Worker processes, at most one per local GPU (or CPU core) [default: one per local "
-    "GPU, or 2 CPU workers on gloo without GPU].",
+    help=f"Worker processes: at most one per local GPU, or {RANKS_PER_CORE} per CPU core "
+    "without GPU [default: one per local GPU, or 2 CPU workers on gloo].",
 )
 @click.option(
     "--seed",
@@ -117,7 +127,9 @@ def cli(debug: bool) -> None:
 )
 @click.option(
     "--out",
-    type=OutPath(file_okay=False, path_type=Path, example="runs/latest"),
+    type=OutPath(
+        file_okay=False, path_type=Path, example="runs/latest", writes="run.json and checkpoints/"
+    ),
     default=Path("runs/latest"),
     show_default=True,
     help="Directory for run.json (and checkpoints/).",
@@ -200,7 +212,9 @@ def train(
     130 Ctrl-C.
     """
     from .demo.launch import launch_training
-    from .demo.train import TrainConfig
+    from .demo.train import RESULTS_ELSEWHERE, TrainConfig
+
+    _stdout.guard("ddpgraph train", RESULTS_ELSEWHERE)
 
     _check_train_options(data, steps_per_replay)
 
@@ -294,11 +308,19 @@ def _check_train_options(data: str, steps_per_replay: int) -> None:
 )
 @click.option(
     "--out",
-    type=OutPath(dir_okay=False, path_type=Path, example="benchmarks/results/bench.json"),
+    type=OutPath(
+        dir_okay=False,
+        path_type=Path,
+        example="benchmarks/results/bench.json",
+        writes="the result set's JSON",
+        folders=True,
+    ),
     default=None,
     help="The result set's JSON file; a plain run also writes the .md table and .png chart "
-    "beside it. A run replaces the whole set, and refuses a file of another kind of run "
-    "[default: benchmarks/results/bench.json, varlen.json with --varlen, hf.json with --hf].",
+    "beside it. A run replaces the whole set, and refuses a file of another kind of run or a "
+    "table or chart it did not write. A folder (results/) gets the default name in it "
+    "[default: benchmarks/results/bench.json, varlen.json with --varlen, hf.json with --hf, "
+    "fsdp2.json with --parallel fsdp2].",
 )
 @click.option(
     "--parallel",
@@ -318,11 +340,12 @@ def bench(
     quick: bool,
     varlen: bool,
     hf: tuple[str, ...],
-    out: Path | None,
+    out: Path | InFolder | None,
     parallel: str,
 ) -> None:
     """Eager DDP vs torch.compile vs TrainStep, in one run per config; JSON + table + chart."""
     kind = "fsdp2" if parallel == "fsdp2" else "hf" if hf else "varlen" if varlen else "bench"
+    _stdout.guard("ddpgraph bench", "the run goes on, and its results go to the files it writes")
     refuse_ignored_options(ctx, kind)
     if kind == "bench" and "transformer-large" in configs:
         raise click.BadParameter(
@@ -331,25 +354,39 @@ def bench(
     notes = modes_left_out(list(configs), list(modes), quick) if kind == "bench" else []
     if kind == "fsdp2":
         _check_fsdp2_configs(configs)
-    out = _bench_out(out, kind)
-    # after every usage check (a refused run creates no folder), before the run is measured
-    prepare_result_set(out, kind)
+    names = hf_names(hf) if kind == "hf" else None
+    if kind == "bench":
+        configs, vision_note = without_torchvision(configs, quick)
+        notes += vision_note
+    path = bench_out(out, kind)
+    refuse_colliding_out(path, kind)
+    # after every check (a refused run creates no folder), before the run is measured
+    prepare_result_set(path, kind)
     for note in notes:
         click.echo(f"ddpgraph bench: {note}", err=True)
+    _run_bench(kind, list(configs), list(modes), steps, repeats, quick, names, path)
+    for written in result_set(path, kind):
+        if written.exists():
+            click.echo(f"ddpgraph bench: wrote {written}")
+
+
+def _run_bench(
+    kind: str,
+    configs: list[str],
+    modes: list[str],
+    steps: int,
+    repeats: int,
+    quick: bool,
+    names: list[str] | None,
+    out: Path,
+) -> None:
     if kind == "fsdp2":
         from .bench.fsdp2 import run_fsdp2
 
-        run_fsdp2(list(configs), steps=steps, repeats=repeats, quick=quick, out=out)
+        run_fsdp2(configs, steps=steps, repeats=repeats, quick=quick, out=out)
     elif kind == "hf":
-        from .bench.hf import ARCHITECTURES, run_hf
+        from .bench.hf import run_hf
 
-        names = [n for n in hf if n != "all"] or None
-        unknown = sorted(set(names or []) - set(ARCHITECTURES))
-        if unknown:
-            raise click.BadParameter(
-                f"unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
-                param_hint="--hf",
-            )
         run_hf(repeats=repeats, out=out, only=names, steps=steps)
     elif kind == "varlen":
         from .bench.varlen import run_varlen
@@ -358,17 +395,7 @@ def bench(
     else:
         from .bench import run_bench
 
-        run_bench(
-            list(configs),
-            modes=list(modes) or None,
-            steps=steps,
-            repeats=repeats,
-            quick=quick,
-            out=out,
-        )
-    for path in result_set(out, kind):
-        if path.exists():
-            click.echo(f"ddpgraph bench: wrote {path}")
+        run_bench(configs, modes=modes or None, steps=steps, repeats=repeats, quick=quick, out=out)
 
 
 # What each kind of bench run takes besides --repeats and --out; any other option given is
@@ -429,7 +456,8 @@ def explain(source: str) -> None:
     """Explain an error message: its causes, most likely first, and their fixes.
 
     SOURCE is the message itself, a file that holds it (a log or a traceback), or "-" to read
-    it from stdin. Exit status: 0 when the error is known, 1 otherwise.
+    it from stdin. Exit status: 0 when the error is known, 1 otherwise, 2 for a usage error
+    (an empty SOURCE, a missing file, a script).
     """
     found = explain_error(_read_message(source))
     if found is None:
@@ -452,11 +480,6 @@ def _check_fsdp2_configs(configs: tuple[str, ...]) -> None:
             f"{' and '.join(sorted(FSDP2_CONFIGS))}",
             param_hint="'--config'",
         )
-
-
-def _bench_out(out: Path | None, kind: str) -> Path:
-    """--out, or the kind's default."""
-    return Path(f"benchmarks/results/{kind}.json") if out is None else out
 
 
 def _read_message(source: str) -> str:
@@ -549,8 +572,8 @@ def _decode(data: bytes) -> str:
     "--nproc",
     type=ProcessCount(),
     default=None,
-    help="Ranks for the self-test, at most one per local GPU (or CPU core) [default: one per "
-    "local GPU, or 2 CPU ranks on gloo].",
+    help=f"Ranks for the self-test: at most one per local GPU, or {RANKS_PER_CORE} per CPU "
+    "core without GPU [default: one per local GPU, or 2 CPU ranks on gloo].",
 )
 @click.option(
     "--timeout",
@@ -611,8 +634,13 @@ def main() -> None:
     """The console script: a ddpgraph error is its message (exit 2 for a usage error, else 1);
     its traceback only with --debug or DDPGRAPH_DEBUG=1."""
     _cli_start.done()  # the imports are done: Ctrl-C is a KeyboardInterrupt again
+    _stdout.guard("ddpgraph")  # a closed or full standard output: one line, never a traceback
     try:
         cli()
+    except SystemExit as exc:
+        if _stdout.lost() is not None and exc.code in (0, None):
+            raise SystemExit(1) from None  # the output was the product, and it is lost
+        raise
     except REPORTED as exc:
         if debug_requested():
             raise

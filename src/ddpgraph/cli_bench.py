@@ -8,7 +8,18 @@ from pathlib import Path
 
 import click
 
-__all__ = ["modes_left_out", "prepare_result_set", "refuse_ignored_options", "result_set"]
+from .cli_types import InFolder
+
+__all__ = [
+    "bench_out",
+    "hf_names",
+    "modes_left_out",
+    "prepare_result_set",
+    "refuse_colliding_out",
+    "refuse_ignored_options",
+    "result_set",
+    "without_torchvision",
+]
 
 
 _BENCH_OPTIONS = {
@@ -102,12 +113,42 @@ def prepare_result_set(out: Path, kind: str) -> None:
             "or delete that file to replace it.",
             param_hint="'--out'",
         )
-    for companion in (out.with_suffix(".md"), out.with_suffix(".png")):
-        if companion.exists() and companion != out:
-            companion.unlink()
-            click.echo(
-                f"ddpgraph bench: removed {companion} (of the set this run replaces)", err=True
-            )
+    from .bench.report import written_by_bench
+
+    # only this kind's table and chart, and only files that prove to be ones (their content):
+    # a README.md or logo.png that happens to share the JSON's name is the user's
+    stale = [path for path in result_set(out, kind)[1:] if path.exists()]
+    foreign = [path for path in stale if not written_by_bench(path)]
+    if foreign:
+        raise click.BadParameter(
+            f"{' and '.join(map(str, foreign))}: this run writes its "
+            f"{' and '.join(_COMPANIONS[p.suffix] for p in foreign)} there, and "
+            f"{'they are' if len(foreign) > 1 else 'it is'} not one that ddpgraph bench wrote; "
+            f"pick another --out (e.g. {out.with_name(out.stem + '-bench.json')}), or move "
+            f"{'them' if len(foreign) > 1 else 'it'} away.",
+            param_hint="'--out'",
+        )
+    for companion in stale:
+        companion.unlink()
+        click.echo(f"ddpgraph bench: removed {companion} (of the set this run replaces)", err=True)
+
+
+_COMPANIONS = {".md": "table", ".png": "chart"}
+
+
+def refuse_colliding_out(out: Path, kind: str) -> None:
+    """An --out that is itself one of the files the run writes beside it (``res.md``: the JSON
+    would be overwritten by the table) is refused before anything runs."""
+    if out in result_set(out, kind)[1:]:
+        also = " and ".join(
+            f"its {_COMPANIONS[p.suffix]} ({p.suffix})" for p in result_set(out, kind)[1:]
+        )
+        raise click.BadParameter(
+            f"{out}: a {_BENCH_RUNS[kind]} run writes {also} beside the JSON, under the same "
+            f"name: the JSON would be overwritten. Pass a .json name, e.g. "
+            f"{out.with_suffix('.json')}.",
+            param_hint="'--out'",
+        )
 
 
 def _result_kind(path: Path) -> str | None:
@@ -154,3 +195,61 @@ def _unwritable_file(path: Path) -> str | None:
     except OSError as exc:
         return f"{path} cannot be written ({exc.strerror or exc}); pick another file."
     return None
+
+
+def bench_out(out: Path | InFolder | None, kind: str) -> Path:
+    """--out: a file, a folder (the kind's default name in it), or the kind's default."""
+    name = f"{kind}.json"
+    if out is None:
+        return Path("benchmarks/results") / name
+    return out.folder / name if isinstance(out, InFolder) else out
+
+
+def refuse(text: str) -> None:
+    """A run that cannot work here (a missing package, no GPU): one line, exit status 1, before
+    anything is created."""
+    click.echo(f"ddpgraph bench: {text}", err=True)
+    raise SystemExit(1)
+
+
+def hf_names(given: tuple[str, ...]) -> list[str] | None:
+    """--hf's architectures (None: all), checked with what they need before anything runs."""
+    import importlib.util
+
+    import torch
+
+    from .bench.hf import ARCHITECTURES
+
+    names = [n for n in given if n != "all"] or None
+    unknown = sorted(set(names or []) - set(ARCHITECTURES))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown {', '.join(unknown)}; choose from {', '.join(ARCHITECTURES)}",
+            param_hint="'--hf'",
+        )
+    if importlib.util.find_spec("transformers") is None:
+        refuse(
+            "--hf builds transformers models, and transformers is not installed: pip install "
+            "'transformers>=4.40' (or the clone's extra: pip install -e '.[hf]')."
+        )
+    if not torch.cuda.is_available():
+        refuse("bench --varlen --hf measures CUDA graphs: it needs a GPU.")
+    return names
+
+
+def without_torchvision(configs: tuple[str, ...], quick: bool) -> tuple[tuple[str, ...], list[str]]:
+    """The configs a plain run measures, and notes: ResNet-50 needs a torchvision that imports
+    with this torch. Asked for by name without one, the run is refused (one line, the install
+    named); among the defaults, it is left out with a note saying so."""
+    from .bench import CONFIGS, choose, needs_torchvision, torchvision_problem
+
+    chosen, _ = choose(list(configs), None, quick=quick)
+    if not any(needs_torchvision(cfg) for cfg in chosen):
+        return configs, []
+    problem = torchvision_problem()
+    if problem is None:
+        return configs, []
+    if configs:
+        refuse(f"{', '.join(n for n in configs if needs_torchvision(CONFIGS[n]))}: {problem}")
+    kept = tuple(name for name, cfg in CONFIGS.items() if not needs_torchvision(cfg))
+    return kept, [f"note: not measuring ResNet-50: {problem}"]

@@ -5,11 +5,13 @@ the fix (before any worker starts)."""
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import click
 
-__all__ = ["Bounded", "FiniteFloatRange", "OutPath", "ProcessCount"]
+__all__ = ["Bounded", "FiniteFloatRange", "InFolder", "OutPath", "ProcessCount"]
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -90,15 +92,51 @@ class ProcessCount(click.ParamType[int, Any]):
         return count
 
 
+class InFolder(NamedTuple):
+    """A file --out given as a folder (``results/``, or an existing folder): the run names the
+    file in it."""
+
+    folder: Path
+
+
 class OutPath(click.Path):
     """click's Path that refuses an empty value: ``Path("")`` is the working folder, so
-    ``--out ''`` (an unset shell variable) would write there without a word."""
+    ``--out ''`` (an unset shell variable) would write there without a word.
 
-    def __init__(self, *args: Any, example: str, **kwargs: Any) -> None:
+    A folder option (``file_okay=False``) given a file, or a file option given a folder, is
+    refused naming what the option writes; a file option with ``folders=True`` takes a folder
+    (a trailing ``/`` or one that exists) as :class:`InFolder`, the file named by the run.
+    """
+
+    def __init__(self, *args: Any, example: str, writes: str, folders: bool = False,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(*args, **kwargs)
         self.example = example
+        self.writes = writes
+        self.folders = folders
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, InFolder):
+            return value
         if isinstance(value, str) and not value.strip():
             self.fail(f"empty; pass where to write, e.g. {self.example}.", param, ctx)
+        if isinstance(value, (str, os.PathLike)):
+            text = os.fspath(value)
+            path = Path(text)
+            if not self.file_okay and path.is_file():
+                self.fail(
+                    f"{text} is a file; this option names a folder ({self.writes} go in it). "
+                    f"Pass a folder, e.g. {self.example}.",
+                    param,
+                    ctx,
+                )
+            if self.folders and (text.endswith(("/", os.sep)) or path.is_dir()):
+                return InFolder(path)
+            if not self.dir_okay and path.is_dir():
+                self.fail(
+                    f"{text} is a folder; this option names a file ({self.writes}). Pass a "
+                    f"file, e.g. {self.example}.",
+                    param,
+                    ctx,
+                )
         return super().convert(value, param, ctx)

@@ -21,6 +21,8 @@ from ddpgraph.cli import cli
 from ddpgraph.demo.train import TrainConfig, run_worker
 from ddpgraph.testing import run_distributed
 
+from ..procs import sigint_default
+
 STEPS = 200  # ~2 s of training on 2 CPU ranks: room to kill a rank after the first checkpoint
 
 
@@ -105,6 +107,7 @@ def _start(*args: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group: the finally above can end all of it
+        preexec_fn=sigint_default,  # Ctrl-C reaches it also when the suite runs in background
     )
 
 
@@ -291,7 +294,7 @@ def test_ctrl_c_stops_every_worker_and_names_the_step_and_the_checkpoint(tmp_pat
 
 
 def test_a_plain_run_is_told_of_old_checkpoints_it_leaves_and_a_restartable_one_refused(tmp_path):
-    from ddpgraph.demo.launch import _check_before_launch, _notes
+    from ddpgraph.demo.launch import _check_checkpoints, _notes
 
     _fake_checkpoint(tmp_path)
     plain = TrainConfig(out=str(tmp_path))
@@ -301,10 +304,10 @@ def test_a_plain_run_is_told_of_old_checkpoints_it_leaves_and_a_restartable_one_
         f"neither uses nor replaces them. Pass --resume to continue that run, or delete "
         f"{tmp_path / 'checkpoints'} to start clean."
     )
-    assert _check_before_launch(plain, 2) is None
+    assert _check_checkpoints(plain, 2) is None
     # a restart would resume from them: refused, as with checkpointing on
     restartable = TrainConfig(out=str(tmp_path), max_restarts=1)
-    problem = _check_before_launch(restartable, 2)
+    problem = _check_checkpoints(restartable, 2)
     assert problem is not None and "already holds checkpoints (newest: step-00000010)" in problem
     assert _notes(TrainConfig(out=str(tmp_path / "fresh")), 2) == []
 

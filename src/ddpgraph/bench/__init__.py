@@ -374,18 +374,54 @@ def choose(
     return configs, ["eager_ddp", *(m for m in MODES if m in modes and m != "eager_ddp")]
 
 
-def cpu_warnings(device: torch.device, configs: list[BenchConfig]) -> list[str]:
-    """What a run on ``device`` should be told before it starts: nothing on CUDA."""
+def cpu_warnings(
+    device: torch.device, configs: list[BenchConfig], *, steps: int = 60, repeats: int = 3
+) -> list[str]:
+    """What a run on ``device`` should be told before it starts: nothing on CUDA. The advice
+    to shorten the run names only what this run (``steps``, ``repeats``) has not done yet."""
     if device.type == "cuda":
         return []
     found = [f"warning: {CPU_NOTE}."]
     slow = [c.name for c in configs if c is not QUICK and c.build is not _tiny]
     if slow:
+        shorter = " ".join(
+            flag for flag, left in (("--steps 5", steps > 5), ("--repeats 1", repeats > 1)) if left
+        )
+        also = f" (or {shorter})" if shorter else ""
         found.append(
             f"warning: {', '.join(slow)} on CPU take(s) many minutes per repeat; pass --quick "
-            "for a smoke run (or --steps 5 --repeats 1)."
+            f"with no --config for a smoke run{also}."
         )
     return found
+
+
+def needs_torchvision(config: BenchConfig) -> bool:
+    return config.build is _resnet50
+
+
+def torchvision_problem() -> str | None:
+    """Why the ResNet-50 configs cannot run here (None: they can): torchvision missing, or one
+    built for another torch (PyPI's x86 wheels link the CUDA torch: on a CPU torch their
+    ``import`` fails with "operator torchvision::nms does not exist")."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # ImportError, or the RuntimeError/OSError of a mismatched build
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+        return f"the ResNet-50 configs need torchvision, which does not import here ({why}); {torchvision_install()}"
+    return None
+
+
+def torchvision_install() -> str:
+    """The install command of the torchvision that matches this torch (its minor + 15: torch
+    2.13 goes with torchvision 0.28), from PyTorch's CPU index for a CPU-only torch."""
+    major_minor = torch.__version__.split("+")[0].split(".")[:2]
+    wanted = f"torchvision=={int(major_minor[0]) - 2}.{int(major_minor[1]) + 15}.*"
+    if torch.version.cuda is None and torch.version.hip is None:
+        return (
+            f"install the CPU build: pip install '{wanted}' --index-url "
+            "https://download.pytorch.org/whl/cpu"
+        )
+    return f"install it: pip install '{wanted}' (or the clone's extra: pip install -e '.[vision]')"
 
 
 class Interruptible:
@@ -469,8 +505,9 @@ def run_bench(
     if device.type != "cuda":
         results["note"] = CPU_NOTE
     if rt.is_main:
-        for line in cpu_warnings(device, configs):
+        for line in cpu_warnings(device, configs, steps=steps, repeats=repeats):
             print(f"ddpgraph bench: {line}", file=sys.stderr, flush=True)
+    total = len(configs) * repeats  # repeats of all configs: what the JSON holds when done
     with Progress(disable=not rt.is_main) as progress, Interruptible(out) as stop:
         task = progress.add_task("bench", total=len(configs) * len(modes) * repeats)
         for cfg in configs:
@@ -488,9 +525,12 @@ def run_bench(
                     progress.advance(task)
                 runs.append(run)
                 # said first: a disk that refuses the JSON loses no result
-                progress.console.print(_run_line(cfg.name, r, repeats, run), markup=False)
+                # one line however narrow the terminal: a number cut in two reads as two
+                progress.console.print(
+                    _run_line(cfg.name, r, repeats, run), markup=False, soft_wrap=True
+                )
                 if rt.is_main:  # a run cut short by a time limit keeps its finished repeats
-                    _write_json(results, out)
+                    _write_json(results, out, fix=_repeat_fix(out, stop.kept, total=total))
                     stop.written(sum(len(c["runs"]) for c in results["configs"].values()))
     runtime.shutdown()
     if rt.is_main:
@@ -515,14 +555,30 @@ def write_outputs(results: dict[str, Any], out: Path) -> None:
     if results.get("note"):
         markdown += f"\n\nNote: {results['note']}."
     print(markdown)  # first: a file the disk refuses loses no result
-    _write_json(results, out)
-    write_file(out.with_suffix(".md"), markdown + "\n", fix=WRITE_FIX)
-    chart(rows, out.with_suffix(".png"), fix=WRITE_FIX)
+    written: list[Path] = []
+    try:
+        _write_json(results, out)
+        written.append(out)
+        written.append(write_file(out.with_suffix(".md"), markdown + "\n", fix=WRITE_FIX))
+        chart(rows, out.with_suffix(".png"), fix=WRITE_FIX)
+    except KeyboardInterrupt:
+        # Ctrl-C while the chart is drawn (a second or more): what is already whole stays
+        kept = " and ".join(str(path) for path in written) or f"nothing new in {out}"
+        raise KeyboardInterrupt(f"kept {kept}; the results are printed above") from None
 
 
 # What a bench run whose file could not be written can do besides freeing space.
 WRITE_FIX = "pass another --out (the results are printed above)"
 
 
-def _write_json(results: dict[str, Any], out: Path) -> None:
-    write_file(out, json.dumps(results, indent=2) + "\n", fix=WRITE_FIX)
+def _repeat_fix(out: Path, kept: int, *, total: int) -> str:
+    """The fix of a JSON write that failed after a repeat: only the repeats' lines are printed
+    (the table comes at the end), and ``out`` still holds the repeats written before."""
+    holds = (
+        f"{out} holds {kept} of the {total} repeat(s)" if kept else f"nothing was written to {out}"
+    )
+    return f"pass another --out ({holds}; each finished repeat's times are printed above)"
+
+
+def _write_json(results: dict[str, Any], out: Path, *, fix: str = WRITE_FIX) -> None:
+    write_file(out, json.dumps(results, indent=2) + "\n", fix=fix)

@@ -39,8 +39,16 @@ def _transformers() -> Any:
     return importlib.import_module("transformers")
 
 
+class _Lazy:
+    """transformers, imported when a model is built: the architectures' names (checked by the
+    command line before anything runs) are known without it."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_transformers(), name)
+
+
 def _causal(kind: str) -> Callable[[], Any]:
-    tf = _transformers()
+    tf = _Lazy()
 
     h, n, a, v = SMALL["hidden"], SMALL["layers"], SMALL["heads"], SMALL["vocab"]
     common = {"vocab_size": v, "num_hidden_layers": n, "num_attention_heads": a}
@@ -83,7 +91,7 @@ def _causal(kind: str) -> Callable[[], Any]:
 
 
 def _classifier(kind: str) -> Callable[[], Any]:
-    tf = _transformers()
+    tf = _Lazy()
 
     h, n, a, v = SMALL["hidden"], SMALL["layers"], SMALL["heads"], SMALL["vocab"]
     common = {"vocab_size": v, "num_hidden_layers": n, "num_attention_heads": a, "num_labels": 2}

@@ -22,6 +22,47 @@ MODE_TITLES = {
 }
 
 
+# What proves that a file beside a bench JSON is a bench table or chart (``ddpgraph bench``
+# replaces only those): the first line of a table, the PNG "Software" text of a chart.
+TABLE_STARTS = (
+    "| config | eager DDP ms (× eager) |",
+    "| config | mode | median ms | vs eager FSDP2 |",
+)
+CHART_SOFTWARE = "ddpgraph bench"
+
+
+def written_by_bench(path: Path) -> bool:
+    """Whether ``path`` (a .md or .png) holds a table or chart that ``ddpgraph bench`` wrote."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(64 * 1024)
+    except OSError:
+        return False
+    if path.suffix == ".md":
+        first = head.split(b"\n", 1)[0].decode("utf-8", errors="replace")
+        return first.startswith(TABLE_STARTS)
+    return _png_software(head) == CHART_SOFTWARE
+
+
+def _png_software(data: bytes) -> str | None:
+    """The "Software" tEXt of a PNG (its chunks before the image data), or None."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return None
+    at = 8
+    while at + 8 <= len(data):
+        length = int.from_bytes(data[at : at + 4], "big")
+        kind = data[at + 4 : at + 8]
+        body = data[at + 8 : at + 8 + length]
+        if kind == b"IDAT":
+            return None
+        if kind == b"tEXt" and b"\0" in body:
+            key, value = body.split(b"\0", 1)
+            if key == b"Software":
+                return value.decode("latin-1")
+        at += 12 + length
+    return None
+
+
 def table_rows(source: str, results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per config: each mode's median step time, its ratio to eager DDP and extras."""
     rows = []
@@ -107,7 +148,14 @@ def chart(rows: list[dict[str, Any]], path: Path, *, fix: str = "write it elsewh
     fig.tight_layout()
     try:
         # a PNG named by its suffix: the partial file write_file hands over has another one
-        write_file(path, lambda partial: fig.savefig(partial, dpi=120, format="png"), fix=fix)
+        # its tEXt chunk says who wrote it: a later run removes only a chart it can prove is one
+        write_file(
+            path,
+            lambda partial: fig.savefig(
+                partial, dpi=120, format="png", metadata={"Software": CHART_SOFTWARE}
+            ),
+            fix=fix,
+        )
     finally:
         plt.close(fig)
     return True

@@ -300,8 +300,8 @@ def _write(save: _Save) -> None:
             )
     except (CheckpointException, OSError) as exc:  # CheckpointException is a BaseException
         # DCP raises on every rank once every rank's writes have ended: nothing writes there now
-        _remove_partial(save)
-        message = str(_not_written("save_checkpoint", save, exc))
+        left = _remove_partial(save)
+        message = str(_not_written("save_checkpoint", save, exc, partial_left=left))
         if save.distributed:  # rank 0's words (the free space it saw) on every rank
             from ..distributed.objects import broadcast_object
 
@@ -309,22 +309,33 @@ def _write(save: _Save) -> None:
         raise CheckpointWriteError(message) from None
 
 
-def _not_written(caller: str, save: _Save, exc: BaseException) -> CheckpointWriteError:
+def _not_written(
+    caller: str, save: _Save, exc: BaseException, *, partial_left: bool = True
+) -> CheckpointWriteError:
     """The error of a save whose writes failed, its likely reason first: a full disk shows as
     ENOSPC, or as torch's short-write check ("unexpected pos") in a shard's serialisation; a
-    read-only folder as EROFS or EACCES (no space to free there)."""
+    read-only folder as EROFS or EACCES (no space to free there). A partial folder is spoken of
+    only where one was made (``partial_left``): a read-only folder never gets one."""
     reason, remedy = why_not_written(save.root, _first_cause(exc))
+    left = (
+        f"the partial {save.partial.name} was removed"
+        if partial_left
+        else "nothing of it was written"
+    )
     return CheckpointWriteError(
         f"{caller} could not write the checkpoint of step {save.step} in {save.root}: {reason}. "
-        f"{remedy} or save elsewhere; the partial {save.partial.name} was removed and the older "
-        "checkpoints are kept."
+        f"{remedy} or save elsewhere; {left} and the older checkpoints are kept."
     )
 
 
-def _remove_partial(save: _Save) -> None:
-    """Rank 0 removes a failed save's partial folder, so that it does not keep the disk full."""
-    if save.rank == 0:
-        shutil.rmtree(save.partial, ignore_errors=True)
+def _remove_partial(save: _Save) -> bool:
+    """Rank 0 removes a failed save's partial folder, so that it does not keep the disk full;
+    whether there was one (rank 0's view; True elsewhere)."""
+    if save.rank != 0:
+        return True
+    existed = save.partial.exists()
+    shutil.rmtree(save.partial, ignore_errors=True)
+    return existed
 
 
 def _save_async(save: _Save) -> Future[Path]:
@@ -374,8 +385,8 @@ def _written(finished: Future[Any], save: _Save) -> None:
 
         if not isinstance(exc, (CheckpointException, OSError)):
             raise
-        _remove_partial(save)
-        raise _not_written("save_checkpoint_async", save, exc) from None
+        left = _remove_partial(save)
+        raise _not_written("save_checkpoint_async", save, exc, partial_left=left) from None
 
 
 def _commit_on_rank0(save: _Save) -> str | None:

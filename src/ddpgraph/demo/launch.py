@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import signal
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,10 @@ from ..checkpoint.layout import (
     step_dirs,
 )
 from ..distributed.launch import default_nproc, run_local
+from .lock import OutLock, OutLockError
 from .train import (
     FAILED,
+    FINISHED,
     INTERRUPTED,
     INTERRUPTED_EXITS,
     REPORTED_EXIT,
@@ -41,9 +43,6 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
     error, before any worker starts or a ddpgraph error of the caller's input in the workers; 1:
     another failure; 130: Ctrl-C (the step reached and the newest checkpoint are said).
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     workers = nproc or default_nproc()
     if torch.cuda.is_available() and workers > torch.cuda.device_count():
         _say(
@@ -51,10 +50,31 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
             f"visible GPU(s); each rank needs its own GPU. Use --nproc {torch.cuda.device_count()}."
         )
         return 2
-    problem = _check_before_launch(config, workers)
+    problem = _check_options(config, workers)
     if problem:
         _say(problem)
         return 2
+    try:
+        lock = OutLock.take(Path(config.out))
+    except OutLockError as exc:
+        _say(str(exc))
+        return 2
+    with lock:
+        problem = _check_checkpoints(config, workers)
+        if problem:
+            lock.release(remove_folder_if_new=True)  # a refused run leaves nothing behind
+            _say(problem)
+            return 2
+        if lock.stale_pid is not None:
+            _say(f"note: took over --out {config.out} from pid {lock.stale_pid}, which ended "
+                 "without releasing it")  # fmt: skip
+        return _launch(config, workers, nproc)
+
+
+def _launch(config: TrainConfig, workers: int, nproc: int | None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     for note in _notes(config, workers):
         _say(f"note: {note}")
     # the workers import torch and build the data before their first line: seconds on a busy
@@ -62,6 +82,7 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
     _say(f"starting {workers} worker(s) ({_where(workers)}); --out {config.out}")
     # what an earlier run's workers left behind is not this run's news
     _take(config, INTERRUPTED)
+    _take(config, FINISHED)
     _take_failures(config)
     try:
         run_local(
@@ -75,14 +96,26 @@ def launch_training(config: TrainConfig, *, nproc: int | None = None) -> int:
     except (SignalException, KeyboardInterrupt) as exc:
         if debug_requested():
             raise
+        if _take(config, FINISHED) is not None:
+            # the signal came once rank 0 had written run.json, while the workers exited
+            _say(_ended(config, nproc))
+            return 0
         signum = getattr(exc, "sigval", signal.SIGINT)
         _say(_interrupted(config, nproc, signal.Signals(signum).name))
         return 128 + int(signum)
     except ChildFailedError as exc:
+        if _take(config, FINISHED) is not None and _all_stopped_by_signal(exc):
+            _say(_ended(config, nproc))
+            return 0
         return _failed(config, exc)
     _take(config, INTERRUPTED)  # left by a rank 0 stopped for a restart (--max-restarts)
+    _take(config, FINISHED)
     _say(_ended(config, nproc))
     return 0
+
+
+def _all_stopped_by_signal(exc: Any) -> bool:
+    return all(failure.exitcode in INTERRUPTED_EXITS for failure in exc.failures.values())
 
 
 def _say(text: str) -> None:
@@ -197,12 +230,13 @@ def _ended(config: TrainConfig, nproc: int | None) -> str:
 
 
 def resume_command(config: TrainConfig, nproc: int | None) -> str:
-    """The command line that continues ``config``'s run: --resume and the options it must share."""
+    """The command line that continues ``config``'s run: --resume and the options it must share,
+    quoted for a POSIX shell (it is meant to be pasted)."""
     defaults = TrainConfig()
-    parts = ["ddpgraph train --resume", f"--out {config.out}"]
+    parts = ["ddpgraph train --resume", f"--out {shlex.quote(config.out)}"]
     for name in SAME_ON_RESUME:
         if getattr(config, name) != getattr(defaults, name):
-            parts.append(f"--{name.replace('_', '-')} {getattr(config, name)}")
+            parts.append(f"--{name.replace('_', '-')} {shlex.quote(str(getattr(config, name)))}")
     if config.checkpoint_every is not None:
         parts.append(f"--checkpoint-every {config.checkpoint_every}")
     if nproc is not None:
@@ -249,8 +283,9 @@ def _notes(config: TrainConfig, workers: int) -> list[str]:
     return notes
 
 
-def _check_before_launch(config: TrainConfig, workers: int) -> str | None:
-    """What would make the run fail or hang after it started, found before any worker starts."""
+def _check_options(config: TrainConfig, workers: int) -> str | None:
+    """What would make the run fail or hang after it started, found from the options alone,
+    before --out is touched."""
     per_rank = TRAIN_SAMPLES // workers
     if config.batch_size > per_rank:
         # drop_last would leave every rank with no batch at all: the loop would never step
@@ -259,23 +294,16 @@ def _check_before_launch(config: TrainConfig, workers: int) -> str | None:
             f"of the {workers} rank(s) gets ({TRAIN_SAMPLES} in all); use --batch-size "
             f"{per_rank} or less."
         )
-    out = Path(config.out)
-    try:  # the metrics are written at the very end: find an unwritable --out before training
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        return f"--out {out} is not a writable directory ({exc.strerror or exc}); pick another."
-    return _check_checkpoints(config, workers)
-
-
-def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
-    """--resume needs a checkpoint that fits this run; a fresh run must not find old ones."""
     if config.stop_after is not None and config.stop_after >= config.steps:
         return (
             f"--stop-after {config.stop_after} is not before --steps {config.steps}; use a "
             f"smaller --stop-after, or leave it out to train all {config.steps} steps."
         )
+    return None
+
+
+def _check_checkpoints(config: TrainConfig, workers: int) -> str | None:
+    """--resume needs a checkpoint that fits this run; a fresh run must not find old ones."""
     found = latest_checkpoint(config.checkpoints)
     if not config.resume:
         if found is None or not (_checkpoints_are_this_runs(config) or config.max_restarts):

@@ -59,6 +59,10 @@ class Progress:
             self._task, completed=done, loss=f"{loss:.4f}", rate=f"{rate:.0f}", mode=mode
         )
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if self._bar is not None:
+            if kind is not None:
+                # a failed run: a bar left at "0/300" would read as a run that never started,
+                # or as one still going; the failure is said instead
+                self._bar.update(self._task, visible=False)
             self._bar.stop()

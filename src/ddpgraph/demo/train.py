@@ -30,6 +30,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 
 import ddpgraph
 
+from .. import _stdout
 from .._debug import REPORTED, debug_requested
 from .._files import write_file
 from ..checkpoint import (
@@ -82,9 +83,13 @@ class TrainConfig:
         return min(self.stop_after or self.steps, self.steps)
 
 
+# What train says when standard output cannot be written (a full disk): it trains on.
+RESULTS_ELSEWHERE = "training goes on, and its results go to run.json in --out"
+
 # What a worker leaves in --out for the launcher when it stops early, read and removed there.
 INTERRUPTED = ".interrupted"  # JSON {"step": N}: the last step every rank finished, from rank 0
 FAILED = ".failed-rank{rank}"  # one ddpgraph error's message, per failing rank
+FINISHED = ".finished"  # from rank 0 once run.json is written: a later signal stops nothing
 REPORTED_EXIT = 3  # a worker that wrote FAILED exits with this: the launcher prints no traceback
 # 128 + the signal, as a shell reports it: Ctrl-C (SIGINT), or the launcher's stop (SIGTERM)
 INTERRUPTED_EXITS = (128 + signal.SIGINT, 128 + signal.SIGTERM)
@@ -103,6 +108,7 @@ class _Interrupt:
         self.signum: int | None = None
         self.step = 0  # the last step this rank finished
         self.config: TrainConfig | None = None
+        self.done = False  # this rank's part is over (rank 0: run.json written)
 
     @property
     def seen(self) -> bool:
@@ -114,6 +120,8 @@ class _Interrupt:
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
+        if self.done:
+            _exit(0)  # nothing left to stop: the run's results are written
         if self.seen:
             return  # the second signal (SIGINT, then the launcher's SIGTERM): already stopping
         self.signum = signum
@@ -135,6 +143,7 @@ def launched_worker(config: TrainConfig) -> dict[str, Any]:
     ddpgraph error is left as its message for the launcher (the traceback with --debug).
     """
     _interrupt.install(config)
+    _stdout.guard("ddpgraph train", RESULTS_ELSEWHERE)  # `| head`, `> /dev/full`: train on
     try:
         return run_worker(config)
     except BaseException as exc:
@@ -210,6 +219,7 @@ def run_worker(config: TrainConfig) -> dict[str, Any]:
         everyone = _gather(metrics)
         if rt.is_main:
             _report(config, everyone)
+        _interrupt.done = True
     return metrics
 
 
@@ -246,7 +256,10 @@ def _train(config: TrainConfig, rt: ddpgraph.Runtime) -> dict[str, Any]:
         optimizer,
         nn.CrossEntropyLoss(),
         scheduler=scheduler,
-        channels_last=config.model == "resnet",  # conv kernels run faster in NHWC
+        # conv kernels run faster in NHWC; FSDP2 shards only contiguous parameters ("FSDP does
+        # not support non-contiguous parameters"): its ResNet keeps NCHW weights, and the
+        # batches (DeviceData below) stay NHWC, which the convolutions follow
+        channels_last=config.model == "resnet" and config.parallel != "fsdp2",
         steps_per_replay=feed.steps_per_call,
         parallel="fsdp2" if config.parallel == "fsdp2" else "auto",
         check_finite=True,  # a diverged run stops with the step, never "finished" on NaN
@@ -514,6 +527,9 @@ def _report(config: TrainConfig, everyone: list[dict[str, Any]]) -> None:
     for line in report_lines(config, everyone):
         console.print(line)
     path = write_run_json(Path(config.out), config, everyone)
+    # before a word is said: the launcher reads it if a signal comes while the workers exit
+    _leave(Path(config.out) / FINISHED, json.dumps({"step": config.last_step}))
+    _interrupt.done = True  # a signal from here on stops nothing: the results are written
     console.print(f"wrote {path}")
 
 

@@ -243,6 +243,7 @@ def check_arguments(model: object, optimizer: object, loss_fn: object) -> None:
     """TrainStep's positional arguments: a bare module, an optimizer over it, a callable."""
     check_model(model)
     assert isinstance(model, nn.Module)
+    check_trainable(model)
     check_optimizer(optimizer, model)
     check_loss_fn(loss_fn)
 
@@ -250,6 +251,24 @@ def check_arguments(model: object, optimizer: object, loss_fn: object) -> None:
 def check_loss_fn(loss_fn: object) -> None:
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(f"loss_fn={loss_fn!r} is not callable.")
+    if isinstance(loss_fn, type):
+        # callable, but calling it builds a loss object: the first step would fail in torch
+        name = loss_fn.__name__
+        raise ConfigError(
+            f"loss_fn={name} is the class, not a loss; pass an instance: loss_fn={name}()."
+        )
+
+
+def check_trainable(model: nn.Module) -> None:
+    """A model whose parameters are all frozen has nothing to train: its first step would fail
+    in backward ("element 0 of tensors does not require grad")."""
+    params = list(model.parameters())
+    if params and not any(p.requires_grad for p in params):
+        raise ConfigError(
+            f"every parameter of the model ({type(model).__name__}, {len(params)} tensors) has "
+            "requires_grad=False: there is nothing to train. Unfreeze the ones to train "
+            "(p.requires_grad_(True)) before building the TrainStep."
+        )
 
 
 def check_model(model: object) -> None:

@@ -547,8 +547,11 @@ def _block_names(model: nn.Module) -> list[str]:
     names: list[str] = []
     containers: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(c + ".") for c in containers):
-            continue  # inside a list already chosen: its children are the blocks
+        if any(c == "" or name.startswith(c + ".") for c in containers):
+            # inside a list already chosen (the root itself, for a Sequential model: every
+            # name is inside it): its children are the blocks, sharded whole, never a list of
+            # theirs first (a nested list sharded after its block is sharded twice)
+            continue
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             containers.append(name)
             prefix = f"{name}." if name else ""
