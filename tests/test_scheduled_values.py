@@ -88,6 +88,8 @@ def _sgd_steps(graphed: bool) -> tuple[TrainStep | None, list[str], list[torch.T
     model = nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=STEPS + 1)
+    if not graphed:  # the eager reference steps the optimizer the graphed step steps
+        make_graph_safe(opt, torch.device("cpu"))
     step = TrainStep(model, opt, nn.MSELoss(), engine=CpuGraphs() if graphed else None)
     gen = torch.Generator().manual_seed(2)
     with warnings.catch_warnings(record=True) as caught:

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddpgraph.step.optim import make_graph_safe
+
 STEPS = 50
 WARMUP_STEPS = 5  # the LR schedule's warm-up; then linear decay over 80 % of the steps
 SEQ = 32
@@ -138,6 +140,13 @@ def build(job: Any, device: str = "cpu", sizes: dict[str, int] | None = None) ->
     model.train()
     trainer.model_parts = [model]
     trainer.optimizers = spec.build_optimizers_fn([model], job.optimizer, parallel_dims)
+    # Both sides step the AdamW TrainStep steps (capturable, the LR in a tensor), made so before
+    # the schedulers are built, as on CUDA: the CPU engine takes that path too. With torchtitan's
+    # float LR the runs differ by what report().optimizer_changes measures, and the schedulers'
+    # _last_lr would be floats in one checkpoint and tensors in the other (DCP then refuses:
+    # "Missing key in checkpoint state_dict: lr_scheduler._last_lr").
+    for optimizer in trainer.optimizers.optimizers:
+        make_graph_safe(optimizer, torch.device(device))
     trainer.lr_schedulers = spec.build_lr_schedulers_fn(
         trainer.optimizers, job.lr_scheduler, job.training.steps
     )
