@@ -151,12 +151,18 @@ def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(
     assert "ddpgraph.TrainStep" in str(errors[0])
 
 
-def test_padding_free_batches_are_refused_with_the_reason():
-    from ddpgraph.integrations.transformers import _tensor_batch
+def test_a_packed_batch_not_padded_to_the_fixed_capacity_is_refused_with_the_reason():
+    """GraphTrainer's training loader pads packed batches to a fixed capacity (max lengths =
+    max_length); one that reaches the step otherwise (a collator swapped in later) would change
+    the graph's constants, so it is refused, naming the values."""
+    from types import SimpleNamespace
 
-    packed = {"input_ids": torch.ones(1, 8, dtype=torch.long), "max_length_q": 5, "max_length_k": 5}
-    with pytest.raises(ConfigError, match=r"padding-free.*\['max_length_k', 'max_length_q'\]"):
-        _tensor_batch(packed)
+    from ddpgraph.integrations.transformers import GraphTrainer
+
+    trainer = SimpleNamespace(_packed_max_length=24)
+    with pytest.raises(ConfigError, match=r"packed batch with \{'max_length_q': 5\}.*24"):
+        GraphTrainer._check_fixed(trainer, {"max_length_q": 5})  # type: ignore[arg-type]
+    GraphTrainer._check_fixed(trainer, {"max_length_q": 24, "max_length_k": 24})
 
 
 def test_collators_padding_to_the_longest_row_pad_to_length_buckets():

@@ -114,7 +114,7 @@ def outcome(trainer: Any, mode: str) -> dict[str, Any]:
         "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "optimizer": optimizer.state_dict()["state"],
         "global_step": trainer.state.global_step,
-        "report": None if mode == "plain" else str(trainer.report()),
+        "report": str(trainer.report()) if hasattr(trainer, "report") else None,
     }
 
 

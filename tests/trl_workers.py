@@ -49,6 +49,103 @@ def sft_texts(n: int = 96, seed: int = 5) -> Any:
     return datasets.Dataset.from_dict({"text": texts})
 
 
+def sft_prompt_completions(n: int = 96, seed: int = 6) -> Any:
+    """Prompt-completion rows (TRL's completion_only_loss format): a prompt of 2-10 words, a
+    completion of 2-10."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = [{"prompt": _words(gen, 2, 10), "completion": _words(gen, 2, 10)} for _ in range(n)]
+    return datasets.Dataset.from_list(rows)
+
+
+def sft_conversations(n: int = 96, seed: int = 7) -> Any:
+    """Conversational rows (TRL's assistant_only_loss format): a user turn, an assistant turn."""
+    import datasets
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": _words(gen, 2, 9)},
+                {"role": "assistant", "content": _words(gen, 2, 9)},
+            ]
+        }
+        for _ in range(n)
+    ]
+    return datasets.Dataset.from_list(rows)
+
+
+# a chat template whose assistant turns (and their end of turn) are in {% generation %} markers,
+# the form TRL's assistant_only_loss reads the assistant mask from
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'] }} <eos>{% endgeneration %} {% else %}{{ message['content'] }} "
+    "{% endif %}{% endfor %}"
+)
+
+DATASETS = {"text": sft_texts, "prompt-completion": sft_prompt_completions,
+            "conversational": sft_conversations}  # fmt: skip
+
+
+def _words(gen: torch.Generator, low: int, high: int) -> str:
+    count = int(torch.randint(low, high + 1, (1,), generator=gen))
+    return " ".join(f"w{int(i)}" for i in torch.randint(_WORDS, (count,), generator=gen))
+
+
+def graph_safe_arithmetic(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer steps as a graphed step's does (``capturable=True``, the LR a float32
+    tensor during the step, as ``ddpgraph.step.optim.make_graph_safe`` sets them) while the
+    Trainer and its scheduler keep reading float LRs: the plain run a graphed one equals."""
+    from ddpgraph.step.optim import allow_capturable_on_cpu
+
+    allow_capturable_on_cpu()
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+    floats: list[Any] = []
+
+    def lr_as_tensor(opt: Any, *args: Any) -> None:
+        floats[:] = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+
+    def lr_as_float(opt: Any, *args: Any) -> None:
+        for group, lr in zip(opt.param_groups, floats):
+            group["lr"] = lr
+
+    optimizer.register_step_pre_hook(lr_as_tensor)
+    optimizer.register_step_post_hook(lr_as_float)
+
+
+def _graph_safe_sft() -> Any:
+    """SFTTrainer whose optimizer has the graphed step's arithmetic (the reference of a
+    graphed run: ``mode="safe"``)."""
+    from trl import SFTTrainer
+
+    class GraphSafeArithmetic(SFTTrainer):
+        def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+            optimizer = super().create_optimizer(*args, **kwargs)
+            real = optimizer
+            while hasattr(real, "optimizer"):
+                real = real.optimizer
+            graph_safe_arithmetic(real)
+            return optimizer
+
+    return GraphSafeArithmetic
+
+
+class CompactChooser:
+    """Stands for ``trl.trainer.utils._use_triton``: answers True (TRL's CUDA branch, the
+    compact ``hidden_states[mask]``) and counts the questions."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def __call__(self, device: Any) -> bool:
+        self.asked += 1
+        return True
+
+
 def sft_config(out: str, **overrides: Any) -> Any:
     from trl import SFTConfig
 
@@ -62,26 +159,45 @@ def sft_config(out: str, **overrides: Any) -> Any:
     return SFTConfig(**options)
 
 
-def run_sft(out: str, mode: str, order: str = "graphed", **overrides: Any) -> dict[str, Any]:
-    """SFTTrainer (``mode="plain"``), or graphed: ``order`` "graphed" is ``graphed(SFTTrainer)``,
-    "first" is ``class T(GraphTrainer, SFTTrainer)``, "last" ``class T(SFTTrainer, GraphTrainer)``;
-    ``mode`` "graphed" captures with the CPU stand-in engine, "eager" does not."""
+def run_sft(
+    out: str,
+    mode: str,
+    order: str = "graphed",
+    data: str = "text",
+    step_options: dict[str, Any] | None = None,
+    texts: int = 96,
+    keep: list[Any] | None = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """SFTTrainer (``mode="plain"``; "safe": its optimizer with the graphed step's arithmetic),
+    or graphed: ``order`` "graphed" is ``graphed(SFTTrainer)``, "first" is ``class
+    T(GraphTrainer, SFTTrainer)``, "last" ``class T(SFTTrainer, GraphTrainer)``; ``mode``
+    "graphed" captures with the CPU graph engine, "eager" does not. ``data``: a DATASETS key
+    (``texts`` rows); ``keep`` receives the trainer."""
     from trl import SFTTrainer
 
     from ddpgraph.testing import CpuGraphs
 
+    processing_class = tokenizer()
+    if data == "conversational":
+        processing_class.chat_template = CHAT_TEMPLATE
     common = dict(
-        model=tiny_llama(), args=sft_config(out, **overrides), train_dataset=sft_texts(),
-        processing_class=tokenizer(),
+        model=tiny_llama(), args=sft_config(out, **overrides), train_dataset=DATASETS[data](texts),
+        processing_class=processing_class,
     )  # fmt: skip
     if mode == "plain":
         trainer = SFTTrainer(**common)
+    elif mode == "safe":
+        trainer = _graph_safe_sft()(**common)
     else:
         options: dict[str, Any] = {"engine": CpuGraphs()} if mode == "graphed" else {}
         if mode == "eager":
             options["graph"] = "never"
+        options.update(step_options or {})
         trainer = _graphed_class(order)(**common, step_options=options)
     trainer.train()
+    if keep is not None:
+        keep.append(trainer)
     from .trainer_workers import outcome
 
     return outcome(trainer, mode)
@@ -114,12 +230,12 @@ def run_sft_modes(out: str, cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for label, case in cases.items():
         case = dict(case)
-        modes = case.pop("modes", ("plain", "eager", "graphed"))
+        modes = case.pop("modes", ("plain", "eager", "safe", "graphed"))
         order = case.pop("order", "graphed")
         plain_args = case.pop("plain_args", {})  # what the plain run sets that GraphTrainer chose
         results[label] = {}
         for mode in modes:
-            overrides = {**case, **(plain_args if mode == "plain" else {})}
+            overrides = {**case, **(plain_args if mode in ("plain", "safe") else {})}
             where = os.path.join(out, label, mode)
             results[label][mode] = run_sft(where, mode, order, **overrides)
     return results
@@ -175,13 +291,81 @@ def run_dpo_modes(out: str) -> dict[str, Any]:
     return {mode: run_dpo(os.path.join(out, mode), mode) for mode in ("plain", "graphed")}
 
 
-def run_sft_on_the_cuda_branch(out: str) -> dict[str, Any]:
-    """``graphed(SFTTrainer)`` with TRL's loss on the branch it takes on CUDA: TRL chooses the
-    compact path (``hidden_states[mask] if compact``, trl/trainer/utils.py) when
-    ``_use_triton(device)`` says the device runs Triton (trl/kernels/chunked_logprob.py: CUDA or
-    XPU with triton installed). The name is rebound where the loss reads it; the kernel itself
-    keeps its torch implementation."""
+def run_sft_cases_on_the_cuda_branch(out: str, cases: dict[str, dict[str, Any]]) -> Any:
+    """Each case (``data``, SFTConfig overrides) as the graphed-arithmetic plain SFTTrainer
+    ("safe") and ``graphed(SFTTrainer)``, with TRL's CUDA branch chosen (:class:`CompactChooser`):
+    {label: {mode: outcome, and how often the mode asked TRL's chooser}}."""
+    import os
+
     import trl.trainer.utils as trl_utils
 
-    trl_utils._use_triton = lambda device: True  # type: ignore[attr-defined]
-    return run_sft(out, "graphed", pad_to_multiple_of=8, max_steps=16, logging_steps=8)
+    results: dict[str, Any] = {}
+    for label, case in cases.items():
+        case = dict(case)
+        options = case.pop("step_options", {})
+        results[label] = {}
+        for mode in ("safe", "graphed"):
+            chooser = CompactChooser()
+            trl_utils._use_triton = chooser  # type: ignore[attr-defined]
+            where = os.path.join(out, label, mode)
+            outcome = run_sft(where, mode, step_options=options, **case)
+            results[label][mode] = {**outcome, "compact_asked": chooser.asked}
+    return results
+
+
+def run_sft_masking_itself(out: str) -> dict[str, Any]:
+    """``graphed(SFTTrainer)`` with a ``compute_loss_func`` that selects the tokens that count
+    with a boolean mask itself (``logits[mask]``): no fixed-shape path to choose, refused at
+    capture naming that line, and the run continues eagerly."""
+    from trl import SFTTrainer
+
+    from ddpgraph.integrations.transformers import graphed
+    from ddpgraph.testing import CpuGraphs
+
+    from .trainer_workers import outcome
+
+    def masked_loss(outputs: Any, labels: Any, num_items_in_batch: Any = None) -> Any:
+        logits, targets = outputs.logits[:, :-1], labels[:, 1:]
+        mask = targets != -100
+        return torch.nn.functional.cross_entropy(logits[mask], targets[mask])  # masks itself
+
+    trainer = graphed(SFTTrainer)(
+        model=tiny_llama(),
+        args=sft_config(out, pad_to_multiple_of=24, max_steps=14, gradient_accumulation_steps=1),
+        train_dataset=sft_texts(), processing_class=tokenizer(), compute_loss_func=masked_loss,
+        step_options={"engine": CpuGraphs()},
+    )  # fmt: skip
+    trainer.train()
+    return outcome(trainer, "graphed")
+
+
+PACKED = {"packing": True, "max_length": 48, "gradient_accumulation_steps": 1, "max_steps": 16}
+
+
+def run_sft_packed(out: str) -> dict[str, Any]:
+    """SFT with ``packing=True`` (TRL's BFD packing, its padding-free collator, sdpa with the
+    documents told apart by ``position_ids``): the plain run (graph-safe arithmetic), the plain
+    run with TRL's own padding of the packed row to the capacity (``pad_to_multiple_of``), and
+    ``graphed(SFTTrainer)``; with the graphed run's padding over an epoch of its batches."""
+    import os
+
+    from ddpgraph.integrations import transformers as integration
+
+    texts = 384  # enough documents that the packs fill
+    capacity = 4 * PACKED["max_length"]  # per_device_train_batch_size x max_length
+    runs = {
+        "plain": run_sft(os.path.join(out, "plain"), "safe", texts=texts, **PACKED),
+        "padded": run_sft(
+            os.path.join(out, "padded"), "safe", texts=texts, pad_to_multiple_of=capacity, **PACKED
+        ),
+    }
+    trainer: list[Any] = []
+    runs["graphed"] = run_sft(
+        os.path.join(out, "graphed"), "graphed", texts=texts, keep=trainer, **PACKED
+    )
+    real = padded = 0
+    for batch in trainer[0].get_train_dataloader():
+        real += int(batch[integration.REAL_TOKENS])
+        padded += batch["input_ids"].shape[1]
+    runs["padding"] = 1 - real / padded
+    return runs

@@ -17,6 +17,9 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 * ``logging_nan_inf_filter`` is applied on the device (``torch.where``) instead of the
   Trainer's ``isnan(loss) or isinf(loss)``, a host sync per micro-batch.
 * The grad norm the Trainer logs is ``step.grad_norm`` (measured inside the graph).
+* TRL's SFTTrainer: its loss on TRL's fixed-shape path, its metrics taken out of the graph and
+  logged from the step's outputs (:mod:`._trl`); packed batches at a fixed capacity
+  (:mod:`._packing`).
 * fp16: an overflowed update is skipped on the device, and the Trainer's LR scheduler advances
   or waits as in its own run: Accelerate reports a skip (the Trainer then holds the scheduler
   back) only for an optimizer whose step GradScaler skips, never for a fused one such as the
@@ -48,6 +51,8 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..errors import ConfigError
 from ..step import StepReport, TrainStep
 from ._optim import OptimizerView, scaler_reports_skips
+from ._packing import MAX_LENGTHS, fixed_capacity, is_packed
+from ._trl import SFTMetrics, fixed_shape_loss, is_sft_trainer
 
 if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(
@@ -60,6 +65,8 @@ __all__ = ["GraphTrainer", "TrainerReport", "graphed"]
 
 NUM_ITEMS = "num_items_in_batch"  # the batch entry that carries the Trainer's token count
 WINDOW = "ddpgraph_window_micro_batches"  # the entry that carries this window's micro-batches
+METRICS = "ddpgraph_metrics"  # the step output's entry with a TRL trainer's metric tensors
+REAL_TOKENS = "ddpgraph_packed_tokens"  # a packed batch's tokens before its fixed-capacity padding
 
 # TrainStep options that TrainingArguments already set: taking them twice would let them differ
 _FROM_ARGS = {
@@ -135,12 +142,15 @@ class GraphTrainer(transformers.Trainer):
         self._filter_nan_inf = False
         self._accelerated_optimizer: Any = None
         self._reports_skips = False  # Accelerate's verdict for this optimizer: see create_scheduler
+        # TRL's SFTTrainer: its metrics come from the step's outputs, not from inside the graph
+        self._sft_metrics = SFTMetrics(self) if is_sft_trainer(self) else None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that lists another Trainer before GraphTrainer (``class T(SFTTrainer,
         GraphTrainer)``) runs that Trainer's ``__init__`` first, which does not know
         ``step_options``: take them off there and hand them to ``GraphTrainer.__init__``."""
         super().__init_subclass__(**kwargs)
+        cls._log_after_flushing()
         init = cls.__init__
         if "step_options" in inspect.signature(init, follow_wrapped=False).parameters:
             return  # GraphTrainer's own __init__ (or one that takes them) comes first
@@ -151,6 +161,22 @@ class GraphTrainer(transformers.Trainer):
             init(self, *args, **kw)
 
         cls.__init__ = __init__  # type: ignore[method-assign]
+
+    @classmethod
+    def _log_after_flushing(cls) -> None:
+        """A Trainer listed before GraphTrainer with a ``log`` of its own (``class T(SFTTrainer,
+        GraphTrainer)``) reads its metrics there: flush the step's metrics before it runs."""
+        log = cls.log
+        if log is GraphTrainer.log or getattr(log, "_flushes_first", False):
+            return
+
+        @functools.wraps(log)
+        def flushing_log(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self._flush_step_metrics()
+            return log(self, *args, **kwargs)
+
+        flushing_log._flushes_first = True  # type: ignore[attr-defined]
+        cls.log = flushing_log  # type: ignore[method-assign]
 
     # ----------------------------------------------------------------- the Trainer's hooks
     def train(self, *args: Any, **kwargs: Any) -> Any:
@@ -175,9 +201,12 @@ class GraphTrainer(transformers.Trainer):
         return self._handle
 
     def get_train_dataloader(self) -> Any:
-        """The Trainer's training loader, its collator padding to length buckets."""
+        """The Trainer's training loader, its collator padding to length buckets, and packed
+        batches to a fixed capacity."""
         collator = self.data_collator
-        self.data_collator = _bucketed(collator, self._bucket_multiple())
+        self.data_collator = _FixedCapacity(
+            _bucketed(collator, self._bucket_multiple()), self._packed_max_length, self.args
+        )
         try:
             return super().get_train_dataloader()
         finally:
@@ -211,7 +240,12 @@ class GraphTrainer(transformers.Trainer):
         returns it, computed on the device."""
         step = self._step()
         self._model().train()
-        batch = _tensor_batch(self._prepare_inputs(inputs))
+        inputs = self._prepare_inputs(inputs)
+        # a packed batch's max lengths, fixed by _FixedCapacity: constants of the graph
+        constants = {key: inputs.pop(key) for key in MAX_LENGTHS if key in inputs}
+        if constants:
+            self._check_fixed(constants)
+        batch = _tensor_batch(inputs)
         if num_items_in_batch is not None:
             batch[NUM_ITEMS] = torch.as_tensor(num_items_in_batch, device=self.args.device)
         # the Trainer divides by the micro-batches of this window (fewer in an epoch's last
@@ -224,6 +258,8 @@ class GraphTrainer(transformers.Trainer):
         # the Trainer sets sync_gradients on the window's last micro-batch (the epoch's end too)
         ends = bool(self.accelerator.sync_gradients)
         loss = step(batch, last=ends)
+        if self._sft_metrics is not None:
+            self._sft_metrics.after_step(step.output[METRICS])
         if ends:
             self._report_skipped_update(step)
         if self._filter_nan_inf:
@@ -231,6 +267,11 @@ class GraphTrainer(transformers.Trainer):
             mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
             loss = torch.where(torch.isfinite(loss), loss, mean)
         return loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """``Trainer.log``, after the step's metrics (TRL's SFTTrainer) reached the Trainer."""
+        self._flush_step_metrics()
+        super().log(logs, *args, **kwargs)
 
     def _clip_grad_norm(self, model: nn.Module) -> torch.Tensor | None:
         return self._latest_grad_norm()  # clipped inside the graph
@@ -286,6 +327,20 @@ class GraphTrainer(transformers.Trainer):
     def _model(self) -> nn.Module:
         assert isinstance(self.model, nn.Module), "the Trainer was built without a model"
         return self.model
+
+    @property
+    def _packed_max_length(self) -> int | None:
+        """The longest document of a packed batch (``max_length``, as TRL's packing keeps it)."""
+        return getattr(self.args, "max_length", None)
+
+    def _check_fixed(self, constants: dict[str, Any]) -> None:
+        fixed = self._packed_max_length
+        if any(value != fixed for value in constants.values()):
+            raise ConfigError(
+                f"GraphTrainer got a packed batch with {constants}, not padded to its fixed "
+                f"capacity (max lengths {fixed}); it pads the batches of its own training "
+                "loader: do not replace get_train_dataloader's collator after it is built."
+            )
 
     def _bucket_multiple(self) -> int | None:
         """:attr:`pad_to_multiple_of`, made a divisor of the model's maximum length (a batch
@@ -352,6 +407,23 @@ class GraphTrainer(transformers.Trainer):
             or self.compute_loss_func is not None
         )
 
+    @contextlib.contextmanager
+    def _graphable(self, real_tokens: torch.Tensor | None) -> Iterator[list[torch.Tensor] | None]:
+        """Around ``compute_loss`` inside the step: TRL's loss on its fixed-shape path; for
+        SFTTrainer, yields the list that takes its metric tensors (None for other Trainers);
+        ``real_tokens``: a packed batch's token count before its padding."""
+        with fixed_shape_loss():
+            if self._sft_metrics is None:
+                yield None
+                return
+            with self._sft_metrics.taken(real_tokens) as taken:
+                yield taken
+
+    def _flush_step_metrics(self) -> None:
+        metrics = self.__dict__.get("_sft_metrics")  # log() may come before __init__ ends
+        if metrics is not None:
+            metrics.flush()
+
     def _latest_grad_norm(self) -> torch.Tensor | None:
         norm = None if self.train_step is None else self.train_step.grad_norm
         # graph-owned: the next replay overwrites it, the Trainer may log it later
@@ -388,21 +460,26 @@ class _StepHandle(nn.Module):
 
 class _TrainerLoss(nn.Module):
     """The module the TrainStep wraps in DDP: ``forward(**batch)`` is the loss as the Trainer's
-    ``training_step`` backpropagates it, through ``Trainer.compute_loss``."""
+    ``training_step`` backpropagates it, through ``Trainer.compute_loss`` (for SFTTrainer, a
+    mapping with the loss and the metric tensors TRL gathers, outputs of the graph)."""
 
     def __init__(self, model: nn.Module, trainer: GraphTrainer) -> None:
         super().__init__()
         self.module = model
         self.__dict__["_trainer"] = trainer  # not a submodule: no state, no parameters
 
-    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor | dict[str, Any]:
         trainer: GraphTrainer = self.__dict__["_trainer"]
         num_items = inputs.pop(NUM_ITEMS, None)
         window = inputs.pop(WINDOW)
+        real_tokens = inputs.pop(REAL_TOKENS, None)
+        if real_tokens is not None:  # a packed batch: its fixed max lengths, as collated
+            inputs.update(dict.fromkeys(MAX_LENGTHS, trainer._packed_max_length))  # type: ignore[arg-type]
         # autocast as in the Trainer's run: inside the model's forward only (Accelerate wrapped
         # it), not around the rest of compute_loss (label smoothing, a custom loss)
         no_autocast = torch.autocast(window.device.type, enabled=False)
-        with no_autocast, trainer.compute_loss_context_manager():
+        graphable = trainer._graphable(real_tokens)
+        with no_autocast, trainer.compute_loss_context_manager(), graphable as taken:
             loss = trainer.compute_loss(self.module, inputs, num_items_in_batch=num_items)
         assert isinstance(loss, torch.Tensor)  # return_outputs=False: the loss alone
         if not trainer._loss_scaled_for_ga(num_items):
@@ -412,7 +489,10 @@ class _TrainerLoss(nn.Module):
             # TrainStep divides each micro-batch's loss by k; this loss is the Trainer's, so
             # its gradient is taken back to the Trainer's exactly
             loss = _UndoDivision.apply(loss, k)  # type: ignore[no-untyped-call]
-        return loss
+        if taken is None:
+            return loss
+        # the metrics' local tensors leave the graph as outputs: each replay refreshes them
+        return {"loss": loss, METRICS: tuple(taken)}
 
 
 class _UndoDivision(torch.autograd.Function):
@@ -456,6 +536,8 @@ def _bucketed(collator: Any, multiple: int | None) -> Any:
     copy; the Trainer's evaluation keeps the original)."""
     if multiple is None or getattr(collator, "pad_to_multiple_of", 0) is not None:
         return collator
+    if getattr(collator, "padding_free", False):  # packed: padded to a fixed capacity instead
+        return collator
     bucketed = copy.copy(collator)
     bucketed.pad_to_multiple_of = multiple
     return bucketed
@@ -493,20 +575,36 @@ def _check_no_sharding_engine(args: Any) -> None:
         )
 
 
-_PADDING_FREE = ("max_length_q", "max_length_k", "cu_seq_lens_q", "cu_seq_lens_k")
+class _FixedCapacity:
+    """The training collator, its packed (padding-free) batches padded to a fixed capacity:
+    ``per_device_train_batch_size × max_length`` tokens (:func:`~._packing.fixed_capacity`),
+    with the real token count as a batch entry (TRL's ``num_tokens`` counts it)."""
+
+    def __init__(self, collator: Any, max_length: int | None, args: Any) -> None:
+        self.collator = collator
+        self.max_length = max_length
+        self.batch_size = args.per_device_train_batch_size
+
+    def __call__(self, examples: Any) -> Any:
+        batch = self.collator(examples)
+        if not (isinstance(batch, Mapping) and is_packed(batch)):
+            return batch
+        if self.max_length is None:
+            raise ConfigError(
+                "GraphTrainer pads packed (padding-free) batches to per_device_train_batch_size "
+                "x max_length tokens, but the training arguments set no max_length; set "
+                "SFTConfig(max_length=...)."
+            )
+        pad = getattr(self.collator, "pad_token_id", None)
+        tokens = batch["input_ids"].shape[1]
+        capacity = self.batch_size * self.max_length
+        padded = fixed_capacity(batch, capacity, self.max_length, 0 if pad is None else pad)
+        padded[REAL_TOKENS] = torch.tensor(tokens)
+        return padded
 
 
 def _tensor_batch(inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     others = {k: type(v).__name__ for k, v in inputs.items() if not isinstance(v, torch.Tensor)}
-    if any(key in inputs for key in _PADDING_FREE):
-        raise ConfigError(
-            f"GraphTrainer does not take padding-free (packed) batches yet: the batch has "
-            f"{sorted(k for k in inputs if k in _PADDING_FREE)} (TRL's packing=True / "
-            "padding_free=True, DataCollatorWithFlattening), whose lengths the attention reads "
-            "on the host and which change at every batch. Pad instead (packing=False, "
-            "padding_free=False: GraphTrainer buckets the lengths), or train packed batches "
-            "with the plain Trainer."
-        )
     if others:
         raise ConfigError(
             f"GraphTrainer's graphed step takes tensors only, but the batch has {others}; let "

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# LLM fine-tuning on one GPU, plain against graphed, as one command (issue 49):
+#
+#   bash benchmarks/llm_gpu.sh            # on the GPU machine (the device tool: carry .whl)
+#   SMOKE=1 bash benchmarks/llm_gpu.sh    # on a CPU: a tiny run through the CPU graph engine
+#
+# TRL's SFTTrainer, SFT packed and a PEFT LoRA Trainer (benchmarks/llm.py), on a small Llama
+# (512 x 4) and a ~300M one (1024 x 20), bf16, 200 steps each: steps/s, tokens/s, the replayed
+# fraction, the logged losses. JSON per model in $OUT (default benchmarks/results):
+# llm-small-<gpu>.json, llm-300m-<gpu>.json. Without CUDA (and without SMOKE=1) it refuses.
+# Wheels in .whl/ are installed first (the GPU image lacks trl, peft, datasets: gpu_wheels.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/ddpgraph-site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/ddpgraph-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+python="${PYTHON:-python3}"
+
+if [ "${SMOKE:-0}" = 1 ]; then
+  exec "$python" benchmarks/llm.py --smoke --out "$out/llm-cpu-smoke.json"
+fi
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "llm_gpu.sh: no CUDA device here; it measures the GPU. Run it on a GPU machine, or" \
+    "SMOKE=1 bash benchmarks/llm_gpu.sh for a tiny CPU run." >&2
+  exit 2
+fi
+gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower())')
+status=0
+for model in small 300m; do
+  # each model well inside the device's 10-minute call
+  timeout "${MODEL_TIMEOUT:-280}" "$python" benchmarks/llm.py --model "$model" \
+    --out "$out/llm-$model-$gpu.json" || status=$?
+done
+exit "$status"
