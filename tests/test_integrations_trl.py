@@ -81,13 +81,17 @@ def test_sft_trainer_through_graph_trainer_is_bit_for_bit_the_plain_sft_run(sft_
 
 
 @pytest.mark.timeout(RUN_S + 60)
-def test_dpo_trainer_through_graph_trainer_is_bit_for_bit_the_plain_dpo_run(tmp_path):
+def test_dpo_trainer_through_graph_trainer_falls_back_at_its_host_reads_as_cuda_would(tmp_path):
+    """DPOTrainer.compute_loss reads values on the host (``if total_tokens > 0``, ``.item()`` of
+    its rewards; trl/trainer/dpo_trainer.py): a CUDA capture refuses them, and so does the CPU
+    engine (the old stand-in re-ran the Python and replayed). The step falls back to eager at
+    the capture, names the line, and DPO's metrics are still logged. Graphing DPO needs a
+    metrics adapter like SFT's (not built)."""
     runs = run_distributed(workers.run_dpo_modes, 2, args=(str(tmp_path),), timeout=RUN_S)
-    for rank in range(2):
-        assert trainer_workers.differences(runs[rank]["plain"], runs[rank]["graphed"]) == []
     report = runs[0]["graphed"]["report"]
-    assert "mode=graphed" in report and "replays=0" not in report, report
-    # DPO's own metrics (rewards, log-probabilities), gathered inside the step, were logged
+    assert "mode=eager" in report and "replays=0" in report, report
+    assert "operation not permitted when stream is capturing" in report, report
+    assert "dpo_trainer.py" in report, report
     assert {"rewards/margins", "logps/chosen"} <= set(runs[0]["graphed"]["logs"][0])
 
 

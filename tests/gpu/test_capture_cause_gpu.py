@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ddpgraph import TrainStep
+from ddpgraph.step.optim import make_graph_safe
 
 from . import fsdp2_gpu_workers as w
 
@@ -67,8 +68,13 @@ def test_an_earlier_loss_kept_alive_is_named_and_the_step_still_graphs(rt):
     named = [str(m.message) for m in seen if "autograd graph of an earlier loss" in str(m.message)]
     assert named and "del loss" in named[0]
     assert step.phase.value == "graphed" and step.report().replays > 0
+    # the reference steps the script's AdamW for its eager steps, then the graph-safe one the
+    # TrainStep made of it (capturable, the LR a device tensor), as the graphed run does
     ref = w.sharded()
-    reference = w.eager_loop(ref, w.adamw(ref, "foreach", graph_safe=True), data)
+    ref_opt = w.adamw(ref, "foreach", graph_safe=False)
+    reference = w.eager_loop(ref, ref_opt, data[:eager])
+    make_graph_safe(ref_opt, torch.device("cuda"))
+    reference += w.eager_loop(ref, ref_opt, data[eager:])
     assert graphed == reference
     for a, b in zip(w.full_params(model), w.full_params(ref), strict=True):
         assert torch.equal(a, b)

@@ -99,10 +99,16 @@ class GraphSafeOptimizer:
                 group["betas"] = (beta1, beta2)
 
     def _follows_betas(self) -> bool:
+        # Only torch's single-tensor Adam takes tensor betas inside a capture: the foreach path
+        # passes `1 - beta1` to _foreach_lerp_ as a number and the fused kernel takes floats,
+        # both read on the host (torch/optim/adam.py; refused by the H100's capture). Elsewhere
+        # a change re-captures, and describe_group_changes says so once.
+        groups = self.optimizer.param_groups
         return (
             isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-            and len(self.lr_tensors) == len(self.optimizer.param_groups)
-            and all(isinstance(group.get("betas"), tuple) for group in self.optimizer.param_groups)
+            and len(self.lr_tensors) == len(groups)
+            and all(isinstance(group.get("betas"), tuple) for group in groups)
+            and all(group.get("foreach") is False and not group.get("fused") for group in groups)
         )
 
 
@@ -349,10 +355,12 @@ def _baked_value_changed(
 ) -> str:
     name = type(optimizer).__name__
     if key == "betas" and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return (  # only an engine without device LR tensors (the CPU stand-in) gets here
-            f"optimizer param group {g}'s betas changed from {old!r} to {new!r}; this engine "
-            "keeps the script's float betas and re-captures at every change (CUDA graphs take "
-            "them as device tensors after the first change)"
+        return (  # foreach or fused Adam: betas are read as numbers (_follows_betas)
+            f"optimizer param group {g}'s betas changed from {old!r} to {new!r}; {name}'s "
+            "foreach and fused kernels take betas as numbers, so the step re-captures at every "
+            "change (one capture per step under OneCycleLR(cycle_momentum=True)); pass "
+            f"{name}(..., foreach=False), whose betas the step then writes as device tensors "
+            "before each replay, or cycle_momentum=False"
         )
     fix = (
         "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "

@@ -342,9 +342,22 @@ def unsharded_leaves(root: nn.Module) -> list[torch.Tensor]:
     return leaves
 
 
+def _pending_reduce_scatters(ctx: Any) -> list[Any]:
+    """The reduce-scatters in flight, taken off ``ctx``: torch 2.12+ keeps a list
+    (``reduce_scatter_states``), 2.11 one (``reduce_scatter_state``; the H100 image's torch
+    raised AttributeError on the list's name)."""
+    if hasattr(ctx, "reduce_scatter_states"):
+        pending = list(ctx.reduce_scatter_states)
+        ctx.reduce_scatter_states.clear()
+        return pending
+    one = getattr(ctx, "reduce_scatter_state", None)
+    ctx.reduce_scatter_state = None
+    return [] if one is None else [one]
+
+
 def reset_iter_state(root: nn.Module) -> None:
     """``FSDPModule.reset_iter_state()`` of torch 2.12 (``FSDPState._reset_iter_state``), for a
-    torch without it (2.11 has every attribute it touches): wait on the failed iteration's
+    torch without it (2.11 names its reduce-scatter state in the singular): wait on the failed iteration's
     all-gather, reduce-scatter and post-reduce events, reshard every parameter group and set
     every state idle. The failed iteration's gradient reductions are dropped, as torch's own
     reset drops them."""
@@ -357,10 +370,9 @@ def reset_iter_state(root: nn.Module) -> None:
         if ctx.all_gather_state.event is not None:
             stream.wait_event(ctx.all_gather_state.event)
         ctx.all_gather_state = None
-    for reduce_scatter in ctx.reduce_scatter_states:
+    for reduce_scatter in _pending_reduce_scatters(ctx):
         if reduce_scatter.event is not None:
             stream.wait_event(reduce_scatter.event)
-    ctx.reduce_scatter_states.clear()
     for event in getattr(ctx, "_last_post_reduce_events", {}).values():
         stream.wait_event(event)
     getattr(ctx, "_last_post_reduce_events", {}).clear()
@@ -438,7 +450,9 @@ def fsdp2_pending(root: nn.Module) -> list[str]:
     if ctx is not None:
         if getattr(ctx, "all_gather_state", None) is not None:
             pending.append("the last all-gather's buffer (comm_ctx.all_gather_state)")
-        if getattr(ctx, "reduce_scatter_states", None):
+        if getattr(ctx, "reduce_scatter_states", None) or getattr(
+            ctx, "reduce_scatter_state", None
+        ):
             pending.append("reduce-scatter inputs (comm_ctx.reduce_scatter_states)")
         if getattr(ctx, "_last_post_reduce_events", None):
             pending.append("post-reduce events (comm_ctx._last_post_reduce_events)")
