@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,6 +18,29 @@ def as_the_step_steps(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     make_graph_safe(opt, torch.device("cpu"))
     return opt
+
+
+def as_step_data_steps(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """``opt`` made graph-safe as by :func:`as_the_step_steps`, and the function to call instead
+    of ``opt.step()`` in an eager reference for ``step(data)`` with ``scheduler=``: step(data)
+    computes the schedule on floats (feed.StepwiseLR: the script's scheduler, unchanged) and
+    copies each step's value into the graph's float32 LR tensor. A scheduler stepping the LR
+    tensor itself would compute in float32 and differ in the last bit."""
+    floats = [group["lr"] for group in opt.param_groups]  # before they become tensors
+    lr_tensors = [group["lr"] for group in as_the_step_steps(opt).param_groups]
+    for group, value in zip(opt.param_groups, floats):
+        group["lr"] = value
+
+    def step() -> None:
+        values = [group["lr"] for group in opt.param_groups]
+        for group, lr, value in zip(opt.param_groups, lr_tensors, values):
+            lr.fill_(value)
+            group["lr"] = lr
+        opt.step()
+        for group, value in zip(opt.param_groups, values):
+            group["lr"] = value
+
+    return step
 
 
 def make_model(seed: int = 0) -> nn.Module:
