@@ -338,3 +338,14 @@ def test_ddp_replays_send_the_recorded_gloo_all_reduce_and_equal_eager_ddp():
         assert result["max_param_diff"] == 0.0 and result["max_buffer_diff"] == 0.0, result
     # the ranks saw different data and still hold one model: the all-reduce ran in the replays
     assert results[0]["checksum"] == results[1]["checksum"]
+
+
+@pytest.mark.timeout(240)
+def test_a_replayed_functional_all_reduce_is_waited_before_its_result_is_read():
+    """Regression: the replay copied a functional collective's result before its Work finished
+    (its wait is registered on the new tensor; the recorded wait_tensor reads the capture's),
+    so each rank read its own unreduced value: FSDP2's all-reduced grad norm differed by rank."""
+    results = run_distributed(workers.functional_all_reduce_replays, 2, timeout=200)
+    # replay i: rank r gives 2 * i * (r + 1); the sum over ranks 2 * i * 3, plus 1
+    expected = [[2.0 * i * 3 + 1] * 4 for i in (1, 2, 3)]
+    assert results == [expected, expected]
