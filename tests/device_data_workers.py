@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from ddpgraph import ConfigError, DeviceData, TrainStep
 from ddpgraph.testing import CpuGraphs
 
-from .step_workers import as_step_data_steps
+from .step_workers import float_lr_step_as_the_step
 
 SAMPLES, BATCH, SEED = 100, 8, 3
 
@@ -70,7 +70,7 @@ def plain_loop(total: int, make_scheduler: Any = None, graph_safe: bool = False)
     CpuGraphs run is compared with bit for bit (as tests/gpu do), its LR in a float32 tensor
     filled before each step from the schedule computed on floats, as step(data) does."""
     model, optimizer, scheduler = model_and_optimizer()
-    optimizer_step = as_step_data_steps(optimizer) if graph_safe else optimizer.step
+    optimizer_step = float_lr_step_as_the_step(optimizer) if graph_safe else optimizer.step
     if make_scheduler is not None:
         scheduler = make_scheduler(optimizer)
     grouped = dist.is_initialized()

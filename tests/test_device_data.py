@@ -475,7 +475,7 @@ def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop()
     attention mask and -100 labels on the padding, K=4 steps per call, against the loop a
     script writes (``loss = model(**batch).loss``) over the same batches."""
     transformers = pytest.importorskip("transformers")
-    from .step_workers import as_step_data_steps
+    from .step_workers import float_lr_step_as_the_step
 
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(100, (64, 16), generator=gen)
@@ -500,7 +500,7 @@ def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop()
 
     reference, ref_optimizer, ref_scheduler = build()
     # capturable AdamW, the LR tensor filled from the float schedule: as step(data) steps it
-    ref_step = as_step_data_steps(ref_optimizer)
+    ref_step = float_lr_step_as_the_step(ref_optimizer)
     plain = DeviceData(columns, batch_size=8, seed=1)
     theirs = []
     for batch in itertools.islice(itertools.chain(plain, plain, plain), 24):
