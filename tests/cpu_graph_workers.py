@@ -80,3 +80,20 @@ def fsdp2_replays() -> dict:
             for a, b in zip(model.parameters(), ref.parameters(), strict=True)
         ),
     }
+
+
+def functional_all_reduce_replays() -> list[list[float]]:
+    """A recorded functional all-reduce (DTensor's and FSDP2's norms use one) replayed on new
+    inputs: each replay's result, which must be the sum over the ranks of that replay's input."""
+    import torch.distributed._functional_collectives as funcol
+
+    from ddpgraph.step.recording import record
+
+    x = torch.zeros(4)
+    out, program = record(lambda: funcol.all_reduce(x * 2, "sum", dist.group.WORLD) + 1)
+    got = []
+    for i in (1, 2, 3):
+        x.fill_(float(i * (dist.get_rank() + 1)))
+        program.replay()
+        got.append(out.tolist())
+    return got

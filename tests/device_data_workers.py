@@ -14,6 +14,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Tenso
 from ddpgraph import ConfigError, DeviceData, TrainStep
 from ddpgraph.testing import CpuGraphs
 
+from .step_workers import float_lr_step_as_the_step
+
 SAMPLES, BATCH, SEED = 100, 8, 3
 
 
@@ -61,9 +63,14 @@ def device_data_run(k: int, total: int, fake: bool) -> dict[str, Any]:
     }
 
 
-def plain_loop(total: int, make_scheduler: Any = None) -> dict[str, Any]:
-    """The eager loop a script writes: DataLoader over DistributedSampler, DDP, scheduler.step()."""
+def plain_loop(total: int, make_scheduler: Any = None, graph_safe: bool = False) -> dict[str, Any]:
+    """The eager loop a script writes: DataLoader over DistributedSampler, DDP, scheduler.step().
+
+    ``graph_safe``: its optimizer steps as a graphed step's does (fused SGD), the reference a
+    CpuGraphs run is compared with bit for bit (as tests/gpu do), its LR in a float32 tensor
+    filled before each step from the schedule computed on floats, as step(data) does."""
     model, optimizer, scheduler = model_and_optimizer()
+    optimizer_step = float_lr_step_as_the_step(optimizer) if graph_safe else optimizer.step
     if make_scheduler is not None:
         scheduler = make_scheduler(optimizer)
     grouped = dist.is_initialized()
@@ -90,7 +97,7 @@ def plain_loop(total: int, make_scheduler: Any = None) -> dict[str, Any]:
             optimizer.zero_grad()
             loss = loss_fn(net(x), y)
             loss.backward()
-            optimizer.step()
+            optimizer_step()
             scheduler.step()
             losses.append(loss.detach())
     return {
@@ -103,7 +110,7 @@ def k_vs_one_vs_plain(k: int, total: int, fake: bool) -> dict[str, Any]:
     return {
         "k": device_data_run(k, total, fake),
         "one": device_data_run(1, total, fake),
-        "plain": plain_loop(total),
+        "plain": plain_loop(total, graph_safe=fake),
     }
 
 

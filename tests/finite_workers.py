@@ -89,16 +89,17 @@ def nan_in_one_shard(bad_step: int, bad_rank: int, engine: str) -> None:
     rank = torch.distributed.get_rank()
     model = shard(shard_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    updates = 0
+    # The hook is Python: inside a graph it runs at capture only, so it cannot count the updates
+    # (a counter in it stopped at the capture on CUDA, and the NaN never came; the old CPU stand-in
+    # re-ran it on replay). It multiplies the element by a tensor the loop sets instead: 1 (exact)
+    # until the bad step, NaN on the bad rank for that step; eager and replayed alike.
+    poison = torch.ones(())
 
-    def poison(optimizer: object, args: object, kwargs: object) -> None:
-        nonlocal updates
-        updates += 1
-        if rank == bad_rank and updates == bad_step:
-            local = model.head.weight.grad._local_tensor  # type: ignore[union-attr]
-            local.view(-1)[-1] = float("nan")
+    def multiply_by_poison(optimizer: object, args: object, kwargs: object) -> None:
+        local = model.head.weight.grad._local_tensor  # type: ignore[union-attr]
+        local.view(-1)[-1:].mul_(poison)
 
-    opt.register_step_pre_hook(poison)
+    opt.register_step_pre_hook(multiply_by_poison)
     step = TrainStep(
         model,
         opt,
@@ -109,6 +110,7 @@ def nan_in_one_shard(bad_step: int, bad_rank: int, engine: str) -> None:
         graph="never" if engine == "never" else "auto",
     )
     for call, (x, y) in enumerate(shard_batches(12), start=1):
+        poison.fill_(float("nan") if rank == bad_rank and call == bad_step else 1.0)
         try:
             step(x, y)
         except NonFiniteError:

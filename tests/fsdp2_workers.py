@@ -13,6 +13,8 @@ import ddpgraph
 from ddpgraph import TrainStep
 from ddpgraph.testing import CpuGraphs
 
+from .step_workers import as_the_step_steps
+
 
 class Net(nn.Module):
     """Embedding layer, a ModuleList of blocks, a head: the shape shard_blocks expects."""
@@ -72,9 +74,10 @@ def plain_loop(
     """The FSDP2 loop a script writes: ``calls`` micro-batches per optimizer step (no gradient
     sync on all but the last, or with ``sync_every_call`` a sync on every backward, as a script
     that never calls set_requires_gradient_sync), or one batch split in ``split``; AdamW;
-    clipping."""
+    clipping. Every test compares it with a CpuGraphs run: its AdamW steps as the graphed step's
+    does (capturable, the LR in a tensor), as tests/gpu's references do."""
     model = shard(make_model())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = as_the_step_steps(torch.optim.AdamW(model.parameters(), lr=1e-2))
     loss_fn = nn.CrossEntropyLoss()
     losses = []
     opt.zero_grad(set_to_none=False)
@@ -267,7 +270,8 @@ def capture_while_unsharding(steps: int = 6) -> dict:
         model.unshard(async_op=True)  # type: ignore[operator]
         step(x, y)
     plain = shard(make_model())
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    # the optimizer the graphed step steps (capturable, the LR in a tensor)
+    plain_opt = as_the_step_steps(torch.optim.AdamW(plain.parameters(), lr=1e-2))
     for x, y in data:
         plain.unshard(async_op=True)  # type: ignore[operator]
         nn.CrossEntropyLoss()(plain(x), y).backward()

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpgraph import TrainStep
 from ddpgraph.testing import CpuGraphs
 
-from .step_workers import batches
+from .step_workers import as_the_step_steps, batches, float_lr_step_as_the_step
 
 
 def _bn_model() -> nn.Module:
@@ -27,9 +27,11 @@ def _sgd_step(model: nn.Module, **options: object) -> TrainStep:
     return TrainStep(model, opt, nn.CrossEntropyLoss(), **options)  # type: ignore[arg-type]
 
 
-def _sgd_ddp(model: nn.Module) -> tuple[DDP, torch.optim.Optimizer]:
-    """The plain loop's DDP and optimizer for :func:`_sgd_step`'s model."""
-    return DDP(model), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def _sgd_ddp(model: nn.Module, graph_safe: bool = True) -> tuple[DDP, torch.optim.Optimizer]:
+    """The reference DDP loop's model and SGD; ``graph_safe``: the SGD the graphed step steps
+    (fused, the LR in a tensor), for a comparison with a CpuGraphs run."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return DDP(model), as_the_step_steps(opt) if graph_safe else opt
 
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -56,7 +58,7 @@ def buffers_like_ddp(steps: int, calls: int, graphed: bool) -> dict:
     our_eval_again = step.evaluate(probe).clone()  # rank-local: no second broadcast
 
     reference = _bn_model()
-    ddp, opt = _sgd_ddp(reference)
+    ddp, opt = _sgd_ddp(reference, graph_safe=graphed)
     theirs: list[dict[str, torch.Tensor]] = []
     for i, (x, y) in enumerate(data):
         last = (i + 1) % calls == 0
@@ -120,7 +122,7 @@ def freezing_like_the_eager_loop(steps: int, schedule: dict[int, tuple[int, bool
             step(x, y)
             replays_at[i] = step.report().replays
     reference = _three_layers()
-    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    opt = as_the_step_steps(torch.optim.AdamW(reference.parameters(), lr=0.01))  # as graphed
     ddp = DDP(reference, **kwargs)
     for i, (x, y) in enumerate(data):
         _frozen_at(reference, i, schedule)
@@ -259,6 +261,8 @@ def llmc_loop(steps: int, calls: int, graphed: bool) -> dict:
     reference = _bn_model()
     ddp = DDP(reference)
     opt = torch.optim.AdamW(reference.parameters(), lr=1.0, weight_decay=0.1)
+    # graphed: the AdamW the step steps, the loop's float LR filled into its LR tensor
+    opt_step = float_lr_step_as_the_step(opt) if graphed else opt.step
     their_norms, their_losses = [], []
     for it in range(steps):
         opt.zero_grad(set_to_none=True)
@@ -271,7 +275,7 @@ def llmc_loop(steps: int, calls: int, graphed: bool) -> dict:
         their_norms.append(nn.utils.clip_grad_norm_(ddp.parameters(), 1.0))
         for group in opt.param_groups:
             group["lr"] = _lr_at(it)
-        opt.step()
+        opt_step()
     report = step.report()
     return {
         "ours": _state(model),

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .framework_workers import graph_safe_optimizer
+
 
 def gpt2_data(n: int = 128, length: int = 16, vocab: int = 100, seed: int = 3) -> list[dict]:
     """Padded, attention-masked rows: -100 labels on the padding, as a collator makes them."""
@@ -101,7 +103,9 @@ def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = tiny_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # graph-safe as written (capturable, the LR in a tensor): the framework's own run steps the
+    # optimizer the graphed port steps (framework_workers.graph_safe_optimizer)
+    optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 1e-3)
     scheduler = _warmup_schedule(optimizer)
     loader = DataLoader(gpt2_data(), batch_size=4)
     if graphed:
@@ -131,7 +135,7 @@ def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
             losses.append(loss.item())
             if accelerator.sync_gradients:
                 norms.append(norm.item())
-                lrs.append(scheduler.get_last_lr()[0])
+                lrs.append(float(scheduler.get_last_lr()[0]))
     return _loop_result(model, losses, norms, lrs, step if graphed else None)
 
 
@@ -147,7 +151,9 @@ def run_fabric(graphed: bool, epochs: int = 3, k: int = 2) -> dict[str, Any]:
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision="32-true")
     fabric.launch()
     model = tiny_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # graph-safe as written (capturable, the LR in a tensor): the framework's own run steps the
+    # optimizer the graphed port steps (framework_workers.graph_safe_optimizer)
+    optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 1e-3)
     scheduler = _warmup_schedule(optimizer)
     loader = fabric.setup_dataloaders(DataLoader(gpt2_data(), batch_size=4))
     if graphed:
@@ -176,7 +182,7 @@ def run_fabric(graphed: bool, epochs: int = 3, k: int = 2) -> dict[str, Any]:
                     optimizer.zero_grad()
                 scheduler.step()
                 norms.append(norm.item())
-                lrs.append(scheduler.get_last_lr()[0])
+                lrs.append(float(scheduler.get_last_lr()[0]))
     return _loop_result(model, losses, norms, lrs, step if graphed else None)
 
 
@@ -213,7 +219,8 @@ def run_lightning(
             return loss
 
         def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            # graph-safe as written: Lightning's run steps the optimizer the graphed port steps
+            optimizer = graph_safe_optimizer(torch.optim.AdamW, self.parameters(), 1e-3)
             scheduler = {"scheduler": _warmup_schedule(optimizer), "interval": "step"}
             return {"optimizer": optimizer, "lr_scheduler": scheduler}
 

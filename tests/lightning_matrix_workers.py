@@ -9,7 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .framework_workers import classes, mlp, rank, run_rows, step_options, tensors_of
+from .framework_workers import (
+    classes,
+    graph_safe_optimizer,
+    mlp,
+    rank,
+    run_rows,
+    step_options,
+    tensors_of,
+)
 
 # 28 rows on 2 ranks, batches of 4: 7 batches a rank per epoch (odd: a tail with k=2 or 3)
 ROWS: dict[str, dict[str, Any]] = {
@@ -175,7 +183,8 @@ def _module_class() -> Any:
             self.log("val_loss", nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
 
         def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(self.parameters(), lr=0.02)
+            # graph-safe as written: the framework's own run steps the optimizer the graphed port steps
+            optimizer = graph_safe_optimizer(torch.optim.AdamW, self.parameters(), 0.02)
             if self.scheduler is None:
                 return optimizer
             if self.scheduler == "plateau":

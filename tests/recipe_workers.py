@@ -21,7 +21,7 @@ from torch import nn
 from ddpgraph import TrainStep
 
 from .accelerate_corpus import end_training
-from .framework_workers import outcome, step_options, tensors_of
+from .framework_workers import graph_safe_optimizer, outcome, step_options, tensors_of
 
 VARIANTS = ("framework", "eager", "graphs")
 EPOCHS, STEPS = 3, 8  # 24 training steps: evaluations in warm-up and after the capture (12)
@@ -90,11 +90,12 @@ def eval_through_the_model(
     """Train ``EPOCHS`` epochs, evaluating after each through the model the script keeps (the
     DDP, or FSDP2's root)."""
     model = _sharded_bn_net() if fsdp2 else bn_net()
-    # SGD cannot step FSDP2's DTensor shards inside a graph (TrainStep says so); AdamW can
+    # SGD cannot step FSDP2's DTensor shards inside a graph (TrainStep says so); AdamW can.
+    # Written graph-safe: the framework's run and both ports step the graphed step's optimizer
     opt: torch.optim.Optimizer = (
-        torch.optim.AdamW(model.parameters(), lr=0.01)
+        graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 0.01)
         if fsdp2
-        else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else graph_safe_optimizer(torch.optim.SGD, model.parameters(), 0.05, momentum=0.9)
     )
     loss_fn = nn.CrossEntropyLoss()
     if fsdp2 and variant == "framework":
@@ -170,8 +171,8 @@ def lightning_validation(variant: str) -> dict[str, Any]:
         def validation_step(self, batch: Any, batch_idx: int) -> None:
             outputs.append(self.net(batch[0]).clone())
 
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        def configure_optimizers(self) -> Any:  # graph-safe: Lightning's run steps it too
+            return graph_safe_optimizer(torch.optim.SGD, self.parameters(), 0.05, momentum=0.9)
 
     module = Module()
     trainer = pl.Trainer(
@@ -209,7 +210,8 @@ def glue_style_loop(
 
     accelerator = Accelerator(cpu=True, mixed_precision=precision)
     model = bn_net()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    # graph-safe as written: Accelerate's run and both ports step the one optimizer
+    optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 0.02)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
     loader = DataLoader(classes(104), batch_size=4)  # 13 batches a rank: a window of 1 at the end
     eval_loader = DataLoader(classes(16, seed=2), batch_size=4)
@@ -242,7 +244,7 @@ def glue_style_loop(
                 if steps:
                     lr_scheduler.step()
             if steps:
-                lrs.append(lr_scheduler.get_last_lr()[0])
+                lrs.append(float(lr_scheduler.get_last_lr()[0]))
                 updates.append(tensors_of(_inner(model).state_dict()))
         model.eval()
         with torch.no_grad():
@@ -305,7 +307,8 @@ def fabric_eval(variant: str, precision: str = "32-true") -> dict[str, Any]:
         DataLoader(classes(104), batch_size=4), DataLoader(classes(16, seed=2), batch_size=4)
     )
     model = bn_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # graph-safe as written: Fabric's run and both ports step the one optimizer
+    optimizer = graph_safe_optimizer(torch.optim.SGD, model.parameters(), 0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     if variant == "framework":
         model, optimizer = fabric.setup(model, optimizer)

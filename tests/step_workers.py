@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -16,6 +18,29 @@ def as_the_step_steps(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
     make_graph_safe(opt, torch.device("cpu"))
     return opt
+
+
+def float_lr_step_as_the_step(opt: torch.optim.Optimizer) -> Callable[[], None]:
+    """``opt`` made graph-safe as by :func:`as_the_step_steps`, and the function to call instead
+    of ``opt.step()`` in an eager reference whose loop or scheduler sets the LR as a float: the
+    float is filled into the graph's float32 LR tensor before each step, as the graphed step
+    does (``sync_lr``; step(data)'s StepwiseLR computes the schedule on floats). A scheduler
+    stepping the LR tensor itself would compute in float32 and differ in the last bit."""
+    floats = [group["lr"] for group in opt.param_groups]  # before they become tensors
+    lr_tensors = [group["lr"] for group in as_the_step_steps(opt).param_groups]
+    for group, value in zip(opt.param_groups, floats):
+        group["lr"] = value
+
+    def step() -> None:
+        values = [group["lr"] for group in opt.param_groups]
+        for group, lr, value in zip(opt.param_groups, lr_tensors, values):
+            lr.fill_(value)
+            group["lr"] = lr
+        opt.step()
+        for group, value in zip(opt.param_groups, values):
+            group["lr"] = value
+
+    return step
 
 
 def make_model(seed: int = 0) -> nn.Module:
@@ -309,7 +334,8 @@ def grad_norm_vs_ddp(steps: int) -> dict:
         ours.append(step.grad_norm.clone())
     reference = make_model()
     ddp = DDP(reference)
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    # the SGD the graphed step steps (fused, the LR in a tensor)
+    opt = as_the_step_steps(torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
     theirs = []
     for x, y in data:
         opt.zero_grad()

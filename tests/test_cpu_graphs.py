@@ -366,3 +366,14 @@ def test_inductor_compiled_models_are_not_recorded_and_aot_eager_ones_are():
     assert step.report().replays == 16 - WARMUP
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert_same_parameters(model, ref_model)
+
+
+@pytest.mark.timeout(240)
+def test_a_replayed_functional_all_reduce_is_waited_before_its_result_is_read():
+    """Regression: the replay copied a functional collective's result before its Work finished
+    (its wait is registered on the new tensor; the recorded wait_tensor reads the capture's),
+    so each rank read its own unreduced value: FSDP2's all-reduced grad norm differed by rank."""
+    results = run_distributed(workers.functional_all_reduce_replays, 2, timeout=200)
+    # replay i: rank r gives 2 * i * (r + 1); the sum over ranks 2 * i * 3, plus 1
+    expected = [[2.0 * i * 3 + 1] * 4 for i in (1, 2, 3)]
+    assert results == [expected, expected]

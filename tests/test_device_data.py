@@ -299,7 +299,7 @@ def test_each_step_of_a_multi_step_call_keeps_the_step_options(options):
 def test_a_mapping_device_data_feeds_model_keyword_arguments_as_step_batch_does():
     """HF style: DeviceData({"inputs": x, "labels": y}) and loss_fn=None train as the loop that
     calls model(**batch) on the DataLoader's batches."""
-    from .step_workers import ComputesItsLoss
+    from .step_workers import ComputesItsLoss, as_the_step_steps
 
     x, y = torch.randn(96, 8), torch.randint(3, (96,))
 
@@ -316,6 +316,7 @@ def test_a_mapping_device_data_feeds_model_keyword_arguments_as_step_batch_does(
     assert step.report().mode == "graphed"
 
     reference, ref_optimizer = build()
+    as_the_step_steps(ref_optimizer)  # fused SGD, LR tensor: the optimizer the graphed step steps
     plain = DeviceData({"inputs": x, "labels": y}, batch_size=8, seed=4)
     theirs = []
     batches = itertools.chain(plain, plain, plain)  # the same batches, as dicts, host-driven
@@ -474,6 +475,8 @@ def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop()
     attention mask and -100 labels on the padding, K=4 steps per call, against the loop a
     script writes (``loss = model(**batch).loss``) over the same batches."""
     transformers = pytest.importorskip("transformers")
+    from .step_workers import float_lr_step_as_the_step
+
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(100, (64, 16), generator=gen)
     lengths = torch.randint(4, 17, (64,), generator=gen)
@@ -496,13 +499,15 @@ def test_a_transformers_gpt2_with_padded_masked_batches_trains_as_its_own_loop()
     assert step.report().mode == "graphed", str(step.report())
 
     reference, ref_optimizer, ref_scheduler = build()
+    # capturable AdamW, the LR tensor filled from the float schedule: as step(data) steps it
+    ref_step = float_lr_step_as_the_step(ref_optimizer)
     plain = DeviceData(columns, batch_size=8, seed=1)
     theirs = []
     for batch in itertools.islice(itertools.chain(plain, plain, plain), 24):
         ref_optimizer.zero_grad()
         loss = reference(**batch).loss
         loss.backward()
-        ref_optimizer.step()
+        ref_step()
         ref_scheduler.step()
         theirs.append(loss.detach())
     assert torch.equal(ours, torch.stack(theirs))

@@ -16,10 +16,14 @@ from .step_workers import batches, make_model
 pytestmark = pytest.mark.timeout(240)
 
 
-def eager_norms(data, *, clip, accumulate_calls=1):
-    """The loop scripts write: backward, clip_grad_norm_ (or get_total_norm), step."""
+def eager_norms(data, *, clip, accumulate_calls=1, graph_safe=False):
+    """The loop scripts write: backward, clip_grad_norm_ (or get_total_norm), step.
+    ``graph_safe``: its SGD is the one a graphed step steps (fused, the LR in a tensor), the
+    reference for a CpuGraphs run."""
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if graph_safe:
+        step_workers.as_the_step_steps(opt)
     norms = []
     for i, (x, y) in enumerate(data):
         loss = nn.functional.cross_entropy(model(x), y) / accumulate_calls
@@ -56,7 +60,7 @@ def step_norms(data, *, engine, **options):
 def test_the_grad_norm_is_the_eager_loops_bit_for_bit(engine, options, clip):
     data = batches(20, 8)
     ours, params, step = step_norms(data, engine=engine, **options)
-    theirs, their_params = eager_norms(data, clip=clip)
+    theirs, their_params = eager_norms(data, clip=clip, graph_safe=engine is not None)
     if engine is not None:
         assert step.report().replays > 0, str(step.report())
     assert len(ours) == len(theirs)
@@ -76,7 +80,7 @@ def test_accumulate_calls_gives_the_norm_on_the_call_that_steps():
     ours, params, step = step_norms(
         data, engine=CpuGraphs(), clip_grad_norm=1.0, accumulate_calls=3
     )
-    theirs, their_params = eager_norms(data, clip=1.0, accumulate_calls=3)
+    theirs, their_params = eager_norms(data, clip=1.0, accumulate_calls=3, graph_safe=True)
     assert [n is None for n in ours] == [(i + 1) % 3 != 0 for i in range(48)]
     for a, b in zip([n for n in ours if n is not None], theirs):
         assert torch.equal(a, b)

@@ -16,7 +16,7 @@ from ddpgraph.step.watch import ModelWatch
 from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import watch_workers as workers
-from .step_workers import batches, make_model
+from .step_workers import as_the_step_steps, batches, make_model
 from .test_objects import assert_same_error_everywhere
 
 pytestmark = pytest.mark.timeout(240)  # 2 ranks on a loaded 2-core machine
@@ -84,6 +84,8 @@ def test_zero_grad_set_to_none_between_graphed_calls_keeps_the_captured_gradient
     def run(engine):
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if engine is None:  # the eager reference steps the AdamW the graphed step steps
+            as_the_step_steps(opt)
         step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=engine)
         for x, y in batches(20, 8):
             opt.zero_grad()

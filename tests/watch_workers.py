@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddpgraph import TrainStep
 from ddpgraph.testing import CpuGraphs
 
-from .step_workers import batches
+from .step_workers import as_the_step_steps, batches
 
 
 def _bn_model() -> nn.Module:
@@ -91,6 +91,8 @@ def changed_mid_run(kind: str, graphed: bool, at: int, steps: int, evaluate: boo
     reference = _bn_model()
     ddp = DDP(reference)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    if graphed:  # the AdamW the graphed step steps (capturable, the LR in a tensor)
+        as_the_step_steps(ref_opt)
     theirs: dict[str, Any] = {"norms": [], "evals": []}
     for i, (x, y) in enumerate(data):
         if i == at:

@@ -314,12 +314,18 @@ def _finished_work(value: Any) -> Any:
 
 
 def _wait(result: Any) -> None:
+    """Wait for a replayed collective before its result is copied or read: a c10d op's
+    ``Work``, or a functional op's result tensors (DTensor's, FSDP2's norms), whose ``Work`` is
+    registered on the tensor and waited by ``wait_tensor`` (the recorded ``wait_tensor`` reads
+    the capture's tensor, which has none)."""
     c10d = torch._C._distributed_c10d
     for item in result if isinstance(result, (tuple, list)) else (result,):
         if isinstance(item, torch.ScriptObject):
             item = c10d.Work.unbox(item)
         if isinstance(item, c10d.Work):
             item.wait()
+        elif isinstance(item, torch.Tensor):
+            torch.ops._c10d_functional.wait_tensor(item)
 
 
 def _to_meta(tree: Any) -> Any:
