@@ -1,0 +1,137 @@
+"""Host time ddpgraph adds to a bare replay on the CPU engine, per replayed ``step(x, y)``.
+
+Set-up as ``callpath_probe.py`` (one gloo rank, DDP, SGD, ``warmup=2``, 30 calls). Then blocks
+of N replayed calls, with a timer around the recorded program's replay
+(:meth:`ddpgraph.step.recording.Program.replay`, the lead's engine: what a replay must run):
+
+  total_us      wall time of ``step(x, y)``
+  program_us    time inside the recorded program's replay
+  added_us      total - program: everything ddpgraph adds around it (the guard, the policy,
+                the copies into the static inputs, the loss returned as a copy)
+  bare_us       a bare replay timed in its own loop: the inputs copied into the static tensors,
+                then the recorded program replayed
+  clone_us      ``loss.clone()`` alone (the copy of the loss a replay returns; inside added_us)
+
+Medians over REPS blocks (minima too). One thread, one process: compare figures within one run
+(the machine's other load moves them all). From the review of turn 7 (``call-path-turn7/host_time.py``).
+
+    python benchmarks/probes/cpu_host_time.py [LAYERS ...] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+N, REPS = int(os.environ.get("N", "300")), int(os.environ.get("REPS", "7"))
+
+
+def build(layers: int) -> nn.Module:
+    blocks = [m for _ in range(layers) for m in (nn.Linear(8, 8), nn.ReLU())]
+    return nn.Sequential(*blocks, nn.Linear(8, 4))
+
+
+def _engine(step: Any) -> Any:
+    """The CPU engine of a TrainStep, wherever this version keeps it."""
+    for path in (("_runner", "engine"), ("_policy", "graphs"), ("_engine",)):
+        obj = step
+        try:
+            for name in path:
+                obj = getattr(obj, name)
+            return obj
+        except AttributeError:
+            continue
+    raise SystemExit("no engine found on the TrainStep: adapt _engine()")
+
+
+def measure(layers: int) -> dict[str, Any]:
+    import ddpgraph as dg
+    from ddpgraph.testing import CpuGraphs
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = dg.TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2)
+        x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+        for _ in range(30):
+            step(x, y)
+    engine = _engine(step)
+    (key,) = [k for k in engine._programs if k.role == "train"]
+    program = engine._programs[key]
+    static = engine._graphs[key].static_inputs
+    inner = program.replay
+    spent = [0.0]
+
+    def timed() -> None:
+        t = time.perf_counter()
+        inner()
+        spent[0] += time.perf_counter() - t
+
+    program.replay = timed  # type: ignore[method-assign]
+    rows: dict[str, list[float]] = {
+        "total": [],
+        "program": [],
+        "added": [],
+        "bare": [],
+        "clone": [],
+    }
+    loss = step(x, y)
+    for _ in range(REPS):
+        spent[0] = 0.0
+        t = time.perf_counter()
+        for _ in range(N):
+            step(x, y)
+        total = time.perf_counter() - t
+        rows["total"].append(total / N)
+        rows["program"].append(spent[0] / N)
+        rows["added"].append((total - spent[0]) / N)
+        t = time.perf_counter()
+        for _ in range(N):
+            for s, v in zip(static, (x, y)):
+                s.copy_(v)
+            inner()
+        rows["bare"].append((time.perf_counter() - t) / N)
+        t = time.perf_counter()
+        for _ in range(N):
+            loss.clone()
+        rows["clone"].append((time.perf_counter() - t) / N)
+    program.replay = inner  # type: ignore[method-assign]
+    out: dict[str, Any] = {"layers": layers, "parameters": len(list(model.parameters()))}
+    for name, values in rows.items():
+        out[name + "_us"] = round(statistics.median(values) * 1e6, 1)
+        out[name + "_us_min"] = round(min(values) * 1e6, 1)
+    return out
+
+
+def _worker(layers: list[int]) -> list[dict[str, Any]]:
+    return [measure(n) for n in layers]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("layers", nargs="*", type=int, default=[2, 50])
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    from ddpgraph.testing import run_distributed
+
+    (results,) = run_distributed(_worker, 1, args=(args.layers,), timeout=900)
+    for row in results:
+        print(json.dumps(row))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
