@@ -62,11 +62,12 @@ class Follower:
     def before_call(self, *, training: bool, graphed: bool) -> None:
         """At the start of a call (``training``: one that may run the wrapper's collectives),
         after the wrapper's own :meth:`~.parallel.DataParallel.before_call`."""
-        parallel = self._parallel()
-        found = self.watch.check()
-        if found:
-            self._follow(found, graphed)
+        if not self.watch.unchanged():  # the common case: one C-level read, nothing to follow
+            found = self.watch.check()
+            if found:
+                self._follow(found, graphed)
         if training and self._storage_moved:
+            parallel = self._parallel()
             self._storage_moved = False
             with on_stream(self._stream):
                 done = parallel.follow_storage()

@@ -21,6 +21,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -299,6 +300,10 @@ class Graphs:
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
 
 
+_requires_grad = attrgetter("requires_grad")
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in parameters if p.requires_grad]
 
@@ -335,10 +340,11 @@ class ReplayGuard:
         self._params_seen = self._current_params()
         self._kept = tensor_slots(self.optimizer)  # what the graphs read: never re-baselined
         self._groups = hyperparameters(self.optimizer)
+        self._index_groups()
         self._index_slots()
 
     def _current_params(self) -> list[bool]:
-        return [p.requires_grad for p in self.params]
+        return list(map(_requires_grad, self.params))
 
     def _index_slots(self) -> None:
         self._state = self.optimizer.state
@@ -348,10 +354,41 @@ class ReplayGuard:
             for key, value in state.items()
             if isinstance(value, torch.Tensor)
         ]
+        self._slot_dicts = [state for state, _ in self._slots]
+        self._slot_keys = [key for _, key in self._slots]
+        self._plain = not any(hasattr(state[key], "_local_tensor") for state, key in self._slots)
         self._slot_pointers = self._current_slot_pointers()
 
+    def _index_groups(self) -> None:
+        """The param groups' plain values as flat lists, compared by identity on every call (the
+        values themselves only when an object differs: :func:`hyperparameters`)."""
+        groups = self.optimizer.param_groups
+        self._group_list = groups
+        self._group_dicts = list(groups)
+        self._group_sizes = list(map(len, groups))
+        items = [(g, k, v) for g in groups for k, v in g.items() if k not in ("params", "lr")]
+        self._value_dicts = [g for g, _, _ in items]
+        self._value_keys = [k for _, k, _ in items]
+        self._values = [v for _, _, v in items]
+
     def _current_slot_pointers(self) -> list[int]:
-        return [address(state[key]) for state, key in self._slots]
+        if self._plain:
+            try:  # one C-level pass: no Python frame per state tensor
+                return list(
+                    map(_data_ptr, map(dict.__getitem__, self._slot_dicts, self._slot_keys))
+                )
+            except (KeyError, TypeError):
+                pass  # a slot deleted or no longer a tensor: the slow path below names it
+        return [address(state[key]) if key in state else -1 for state, key in self._slots]
+
+    def _groups_unchanged(self) -> bool:
+        groups = self.optimizer.param_groups
+        return (
+            groups is self._group_list
+            and all(map(is_, groups, self._group_dicts))
+            and list(map(len, groups)) == self._group_sizes
+            and all(map(is_, map(dict.get, self._value_dicts, self._value_keys), self._values))
+        )
 
     def check(self) -> GuardFindings:
         found = GuardFindings()
@@ -365,9 +402,12 @@ class ReplayGuard:
             or self._current_slot_pointers() != self._slot_pointers
         ):
             self._restore_optimizer(found)
-        if hyperparameters(self.optimizer) != self._groups:
-            found.changes.append("an optimizer param-group value changed")
-            found.recapture = True
+        if not self._groups_unchanged():
+            if hyperparameters(self.optimizer) != self._groups:
+                found.changes.append("an optimizer param-group value changed")
+                found.recapture = True
+            else:  # new objects of equal values (a scheduler writing momentum): the new baseline
+                self._index_groups()
         return found
 
     def _restore_optimizer(self, found: GuardFindings) -> None:

@@ -24,6 +24,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from .window import Window
 
 __all__ = ["CapturePolicy"]
 
+_training = attrgetter("training")
 _EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
 
 
@@ -282,7 +284,7 @@ class CapturePolicy:
 
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
-        return tuple(m.training for m in self._submodules)
+        return tuple(map(_training, self._submodules))  # C-level: no frame per submodule
 
     def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
         return GraphKey(self.window.role(), modes, batch.signature)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from typing import cast
 
 import torch
@@ -22,6 +23,9 @@ __all__ = ["ModelChanges", "ModelWatch", "address"]
 
 # (the dict a module keeps its parameters or buffers in, the key, the name in the model)
 _Slot = tuple[dict[str, torch.Tensor | None], str, str]
+
+_grad = attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
 
 
 def address(tensor: torch.Tensor) -> int:
@@ -118,6 +122,22 @@ class ModelWatch:
         self._grad_at = [_address_or_none(p.grad) for p in self._objects]
         self._buffer_at = self._buffer_addresses()
         self._calls = self._current_calls(roots)
+        self._flat_baseline(keep_grads)
+
+    def _flat_baseline(self, keep_grads: bool) -> None:
+        """The lists :meth:`unchanged` compares with C-level ``map`` (no Python frame per tensor):
+        each slot's dict and key, the objects in them, their addresses; with ``keep_grads`` the
+        gradient objects and their addresses too (without, the full :meth:`check` compares)."""
+        self._param_dicts = [d for d, _, _ in self._params]
+        self._param_keys = [k for _, k, _ in self._params]
+        self._buffer_dicts = [d for d, _, _ in self._buffers]
+        self._buffer_keys = [k for _, k, _ in self._buffers]
+        self._buffer_objects = [cast(torch.Tensor, d[k]) for d, k, _ in self._buffers]
+        self._held = [g for g in self._grads if g is not None]
+        self._held_at = [g.data_ptr() for g in self._held]
+        # the fast path compares gradient objects: only while they are held (graphed) and each
+        # parameter had one at the baseline (an eager or partly-None state takes the full check)
+        self._fast = self._plain and keep_grads and len(self._held) == len(self._objects)
 
     def _param_addresses(self) -> list[int]:
         return self._addresses(self._params)
@@ -147,10 +167,34 @@ class ModelWatch:
             for root in roots
         ]
 
+    def unchanged(self) -> bool:
+        """True when nothing :meth:`check` looks at changed since :meth:`settle`: the same
+        parameter, gradient and buffer objects in their slots, at the same addresses, and the
+        roots' calls. One C-level pass per list (``map``), no Python frame per tensor; False
+        (maybe changed: ask :meth:`check`) when not graphed or the model holds DTensors."""
+        if not self._fast:
+            return False
+        objects = self._objects
+        return (
+            all(map(is_, map(dict.get, self._param_dicts, self._param_keys), objects))
+            and list(map(_data_ptr, objects)) == self._param_at
+            and all(map(is_, map(_grad, objects), self._held))
+            and list(map(_data_ptr, self._held)) == self._held_at
+            and all(
+                map(is_, map(dict.get, self._buffer_dicts, self._buffer_keys), self._buffer_objects)
+            )
+            and list(map(_data_ptr, self._buffer_objects)) == self._buffer_at
+            and self._current_calls(self._roots()) == self._calls
+        )
+
     def check(self) -> ModelChanges:
         """What changed since :meth:`settle`; changes nothing (the caller follows, then settles)."""
         found = ModelChanges()
-        if self._param_addresses() != self._param_at:
+        if self.unchanged():
+            return found
+        same_objects = map(is_, map(dict.get, self._param_dicts, self._param_keys), self._objects)
+        # a new Parameter on the same storage (``nn.Parameter(p.data)``) moves no address
+        if self._param_addresses() != self._param_at or not all(same_objects):
             self._find_parameters(found)
         grads = self._current_grads()
         if grads != self._grad_at:
