@@ -8,6 +8,16 @@ from torch import nn
 from ddpgraph import TrainStep
 
 
+def as_the_step_steps(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``opt`` made graph-safe on the CPU as a graphed TrainStep makes it (capturable, the LR in a
+    tensor, SGD fused): the eager reference a CPU-engine run is compared with bit for bit, as
+    tests/gpu compare theirs. What else differs is the graph's doing."""
+    from ddpgraph.step.optim import make_graph_safe
+
+    make_graph_safe(opt, torch.device("cpu"))
+    return opt
+
+
 def make_model(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -136,7 +146,7 @@ def every_rank_replays_with_the_fake_engine(steps: int) -> dict:
         if engine == "fake":
             step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs())
         else:
-            step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never")
+            step = TrainStep(model, as_the_step_steps(opt), nn.CrossEntropyLoss(), graph="never")
         for x, y in batches(steps, 8, seed=3):
             step(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4])
         out[engine] = {
@@ -186,6 +196,8 @@ def accumulate_calls_vs_no_sync(k: int, steps: int, fake: bool) -> dict:
     reference = Dropout()
     ddp = DDP(reference)
     opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    if fake:
+        as_the_step_steps(opt)
     torch.manual_seed(5)
     theirs = []
     for i, (x, y) in enumerate(data):

@@ -12,6 +12,7 @@ from torch import nn
 
 from ddpgraph import CaptureError, TrainStep
 from ddpgraph.step import Phase
+from ddpgraph.step.optim import make_graph_safe
 from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import step_workers
@@ -30,13 +31,12 @@ def build(fail=lambda key: False, model=None, opt=None, **kwargs):
 
 
 def reference(data, each=None):
+    """The eager run with the optimizer the graphed step steps (fused SGD, the LR in a tensor),
+    as tests/gpu compare: what else differs is the graph's doing."""
     model = make_model()
-    step = TrainStep(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        nn.CrossEntropyLoss(),
-        graph="never",
-    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    make_graph_safe(opt, torch.device("cpu"))
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never")
     for i, (x, y) in enumerate(data):
         if each is not None:
             each(i, step, model)

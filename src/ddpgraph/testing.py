@@ -5,9 +5,11 @@
 exception comes back with its rank and traceback; a hang is killed at ``timeout``.
 
 ``TrainStep(..., engine=CpuGraphs())`` runs a TrainStep's real capture policy (warm-up, capture,
-agreement, replay, fallback, the replay guard) on the CPU, where no CUDA graph exists: a CPU test
-of a training loop then takes the path the GPU run takes. ``CpuGraphs(fail=lambda key: ...)``
-makes chosen captures fail.
+agreement, replay, fallback, the replay guard) on the CPU with a CUDA graph's semantics: a capture
+records the call's tensor operations and refuses what CUDA capture refuses (host reads,
+data-dependent shapes) with CUDA's error; a replay runs only those operations, on the same
+tensors, with the optimizer on its CUDA path. A CPU test of a training loop then takes the path
+the GPU run takes. ``CpuGraphs(fail=lambda key: ...)`` makes chosen captures fail.
 """
 
 from __future__ import annotations

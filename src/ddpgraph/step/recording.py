@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 __all__ = ["CUDA_CAPTURE_ERROR", "CaptureRefused", "Program", "record"]
@@ -126,12 +126,35 @@ def record(run: Callable[[], Any]) -> tuple[Any, Program]:
     # a CUDA capture draws no random number either: a replay advances the generator, not this
     rng = torch.random.get_rng_state()
     try:
-        with recorder, _capturing():
+        with recorder, _capturing(), _storage_resizes(recorder):
             result = run()
     finally:
         recorder.restore()
         torch.random.set_rng_state(rng)
     return result, Program(recorder.ops)
+
+
+_RESIZE = torch.UntypedStorage.resize_
+
+
+@contextlib.contextmanager
+def _storage_resizes(recorder: _Recorder) -> Iterator[None]:
+    """Record ``UntypedStorage.resize_`` (no operation of the dispatcher): FSDP2 frees each
+    unsharded parameter's storage after use and allocates it again before the next all-gather.
+    A replay does the same in the same order, so every recorded write finds its memory (on CUDA
+    the graph's private pool keeps it)."""
+
+    def resize(storage: torch.UntypedStorage, nbytes: int) -> Any:
+        result = _RESIZE(storage, nbytes)
+        recorder.ops.append(_Op(_RESIZE, (storage, nbytes), {}, (), collective=False))
+        recorder.created(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -160,6 +183,10 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if func.namespace == "profiler":
             return func(*args, **kwargs)
+        if any(is_traceable_wrapper_subclass(t) for t in _tensors((args, kwargs))):
+            # a DTensor (FSDP2's parameters): its own dispatch runs the operations on its local
+            # tensors, which come back here and are recorded; its Python runs at capture only
+            return NotImplemented
         _refuse_what_cuda_refuses(func, args, kwargs)
         if func.namespace in ("c10d", "_c10d_functional"):
             result = _unsent_collective(func, args, kwargs)
@@ -186,15 +213,20 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for i, t in enumerate(flat)
             if isinstance(t, torch.Tensor) and _storage(t) not in inputs
         )
-        self._created.update(_storage(t) for _, t in fresh)
+        for _, t in fresh:
+            self.created(t.untyped_storage())
         if collective:
             # the collective's own results (functional ones) land in the kept tensors; a c10d
             # op's in-place output is its argument
             self.ops.append(_Op(func, args, kwargs, fresh, collective=True))
             return
-        if not fresh and not func._schema.is_mutable:
-            return  # a view or a metadata query: what it returned aliases a kept storage
+        if not fresh and _view_or_query(func):
+            return  # what it returned aliases a kept storage, or is no tensor
         self.ops.append(_Op(func, args, kwargs, fresh, collective=False))
+
+    def created(self, storage: torch.UntypedStorage) -> None:
+        """``storage`` was made (or allocated again) during the capture: nothing to put back."""
+        self._created.add(storage.data_ptr())
 
     def _save_before_write(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for tensor in _written(func, args, kwargs):
@@ -208,8 +240,24 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """Put back every tensor the capture wrote that existed before it (as no kernel ran)."""
         with torch.no_grad():
             for storage, saved in self._saved.values():
-                storage.copy_(saved)
+                if storage.nbytes() == saved.nbytes():  # else freed since (FSDP2's reshard)
+                    storage.copy_(saved)
         self._saved.clear()
+
+
+def _view_or_query(func: Any) -> bool:
+    """An operation that writes nothing: a declared view, or an ATen query returning no tensor.
+
+    Anything else is replayed even when its outputs alias its inputs: an operation may write an
+    argument without declaring it (FSDP2's ``fsdp::all_gather_copy_in`` fills the buffer it is
+    given and returns views of it)."""
+    schema = func._schema
+    if schema.is_mutable:
+        return False
+    tensors = [r for r in schema.returns if "Tensor" in str(r.type)]
+    if not tensors:
+        return bool(func.namespace == "aten")
+    return all(r.alias_info is not None for r in tensors)
 
 
 def _refuse_what_cuda_refuses(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -57,8 +57,10 @@ class TrainStep(FromFrameworks):
             ``step(data, steps=n)`` runs ``n <= steps_per_replay`` (a run's last few). A call
             that raises leaves the data position, the scheduler and the step count as they were.
 
-    The returned loss and :attr:`output` (the model's output of the latest step) are owned by
-    the graph once captured: the next call overwrites them. ``loss.clone()`` keeps a value.
+    The returned loss is a tensor of the call's own that a script may keep (a replay copies it
+    out of the graph, as an eager step returns a new one). :attr:`output` (the model's output of
+    the latest step) and :attr:`grad_norm` are owned by the graph once captured: the next call
+    overwrites them; ``.clone()`` keeps a value.
 
     Phases (:attr:`phase`: warm-up, graphed, eager for a stated reason, closed), what is checked
     before each replay and what is re-captured: :mod:`ddpgraph.step.policy`. :meth:`evaluate` runs
