@@ -1,7 +1,7 @@
 """The call path of one replayed ``step(x, y)`` on the CPU engine: what ddpgraph runs around the
 engine's recorded program.
 
-One gloo rank (so DDP wraps the model), SGD, ``TrainStep(..., engine=CpuGraphs(), warmup=2)``,
+One gloo rank (so DDP wraps the model), SGD, ``TrainStep(..., engine=CpuGraphs(), warmup=2)``
 30 calls; then one more call is profiled (``sys.setprofile``). The recorded program's own replay
 (:meth:`ddpgraph.step.recording.Program.replay`, the bare replay) is not counted; everything
 ddpgraph runs around it is:
@@ -38,7 +38,7 @@ def build(layers: int) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(8, 4))
 
 
-def probe(layers: int) -> dict[str, Any]:
+def probe(layers: int, guard: str = "full") -> dict[str, Any]:
     """The counts of one replayed call (run inside ``ddpgraph.init``, one rank or more)."""
     import ddpgraph as dg
     from ddpgraph.step import recording
@@ -46,12 +46,15 @@ def probe(layers: int) -> dict[str, Any]:
 
     package = os.path.dirname(dg.__file__) + os.sep
     bare = recording.Program.replay.__code__
+    chosen = {} if guard == "full" else {"guard": guard}  # an older tree has no option
     torch.manual_seed(0)
     model = build(layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        step = dg.TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2)
+        step = dg.TrainStep(
+            model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2, **chosen
+        )
         x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
         for _ in range(30):
             step(x, y)
@@ -100,6 +103,7 @@ def probe(layers: int) -> dict[str, Any]:
     modules = sorted({name.split(":")[0] for name in path + inside})
     return {
         "layers": layers,
+        "guard": guard,
         "parameters": len(list(model.parameters())),
         "submodules": len(list(model.modules())),
         "frames": frames[0] if frames else None,
@@ -112,18 +116,19 @@ def probe(layers: int) -> dict[str, Any]:
     }
 
 
-def _worker(layers: list[int]) -> list[dict[str, Any]]:
-    return [probe(n) for n in layers]
+def _worker(layers: list[int], guard: str) -> list[dict[str, Any]]:
+    return [probe(n, guard) for n in layers]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layers", nargs="*", type=int, default=[2, 50])
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--guard", default="full", choices=["full", "events"])
     args = parser.parse_args()
     from ddpgraph.testing import run_distributed
 
-    (results,) = run_distributed(_worker, 1, args=(args.layers,), timeout=600)
+    (results,) = run_distributed(_worker, 1, args=(args.layers, args.guard), timeout=600)
     for row in results:
         print(
             f"LAYERS={row['layers']}: {row['frames']} frames to the engine's replay, "

@@ -43,13 +43,15 @@ class Follower:
         report: StepReport,
         device: torch.device,
         stream: torch.cuda.Stream | None,
+        *,
+        events_only: bool = False,
     ) -> None:
         self._parallel = parallel
         self._graphs = graphs
         self._report = report
         self._device = device
         self._stream = stream
-        self.watch = ModelWatch(self._roots)
+        self.watch = ModelWatch(self._roots, events_only=events_only)
         self.settle_due = False  # the call ran eagerly: the watch takes a new baseline after it
         self._storage_moved = False  # seen moved (maybe in an evaluation): follow at training
 

@@ -107,7 +107,16 @@ class CapturePolicy:
         self._eval_calls: Counter[GraphKey] = Counter()
         self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
         # what a script or framework changes in the model between calls
-        self.follower = Follower(lambda: self.body.parallel, graphs, report, device, stream)
+        events_only = options.guard == "events"
+        if graphs is not None:
+            graphs.events_only = events_only
+        self.follower = Follower(
+            lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
+        )
+        # guard="events" while graphed: the submodules' modes re-read only when the model's own
+        # mode changed (model.train() / model.eval()); see StepOptions.guard
+        self._events_only = events_only
+        self._seen_modes: tuple[bool, ...] = ()
 
     @property
     def parallel(self) -> DataParallel:
@@ -284,7 +293,16 @@ class CapturePolicy:
 
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
-        return tuple(map(_training, self._submodules))  # C-level: no frame per submodule
+        submodules = self._submodules
+        seen = self._seen_modes
+        if (
+            self._events_only
+            and self.phase is Phase.GRAPHED
+            and seen[:1] == (submodules[0].training,)
+        ):
+            return seen
+        self._seen_modes = modes = tuple(map(_training, submodules))  # C-level: no frame each
+        return modes
 
     def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
         return GraphKey(self.window.role(), modes, batch.signature)
@@ -506,7 +524,7 @@ class CapturePolicy:
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
-        modes = self._modes()
+        modes = tuple(map(_training, self._submodules))  # as they are: restored after
         for module in self._submodules:
             module.training = False
         try:

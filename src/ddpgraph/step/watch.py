@@ -27,6 +27,29 @@ _Slot = tuple[dict[str, torch.Tensor | None], str, str]
 _grad = attrgetter("grad")
 _data_ptr = torch.Tensor.data_ptr
 
+# guard="events": how many parameters, buffers and submodules were set on any module of the
+# process (torch's global registration hooks: setattr, register_*, load_state_dict(assign=True));
+# a step compares the count instead of reading every slot
+_registrations = [0]
+_hooks_installed = [False]
+
+
+def _registered(*args: object) -> None:
+    _registrations[0] += 1
+
+
+def registrations() -> int:
+    """The process's count of parameter, buffer and submodule registrations so far (the hooks
+    installed on the first call)."""
+    if not _hooks_installed[0]:
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_parameter_registration_hook(_registered)
+        torch_module.register_module_buffer_registration_hook(_registered)
+        torch_module.register_module_module_registration_hook(_registered)
+        _hooks_installed[0] = True
+    return _registrations[0]
+
 
 def address(tensor: torch.Tensor) -> int:
     """Where a tensor's values live: a DTensor's (FSDP2's shards) are its local tensor's (its own
@@ -80,17 +103,22 @@ class ModelWatch:
     module inside it). :meth:`settle` records, walking the modules once, a flat list of where each
     parameter, its gradient and each buffer live (read through the dict the owning module keeps
     them in, so a ``model.to()`` that replaced a buffer object is seen) and each root's
-    instance ``forward`` and compiled call. :meth:`check` compares without walking any module:
-    three list comprehensions over those flat lists and a few attribute reads. Measured on this
-    project's loaded 2-core CPU host (torch 2.13): 0.4-0.55 µs per parameter or buffer (200
-    parameters: ~110 µs), less than the optimizer part of the replay guard
-    (:class:`~.graphs.ReplayGuard`, ~180 µs on the same model). The step calls :meth:`settle`
+    instance ``forward`` and compiled call. While graphed, :meth:`unchanged` compares without
+    walking any module and without a Python frame per tensor: one C-level ``map`` per list (the
+    objects in their slots, their addresses, the gradients, the buffers), so a replayed call
+    makes the same calls at every model size; :meth:`check` names what changed. With
+    ``events_only`` (``guard="events"``) nothing is read per tensor: torch's global registration
+    hooks count parameters, buffers and submodules set anywhere, and the count is compared (what
+    that leaves unseen: :class:`~.options.StepOptions`). The step calls :meth:`settle`
     after every call that ran anything eagerly (gradients the step itself created or freed are
     then the new baseline); a replay changes no address, so a replayed call only checks.
     """
 
-    def __init__(self, roots: Callable[[], tuple[nn.Module, ...]]) -> None:
+    def __init__(
+        self, roots: Callable[[], tuple[nn.Module, ...]], *, events_only: bool = False
+    ) -> None:
         self._roots = roots
+        self._events_only = events_only  # guard="events": see StepOptions.guard
         self.settle()
 
     def settle(self, keep_grads: bool = False) -> None:
@@ -138,6 +166,9 @@ class ModelWatch:
         # the fast path compares gradient objects: only while they are held (graphed) and each
         # parameter had one at the baseline (an eager or partly-None state takes the full check)
         self._fast = self._plain and keep_grads and len(self._held) == len(self._objects)
+        # guard="events" while graphed: the registration count stands for the slots' reads
+        self._by_events = self._events_only and keep_grads
+        self._registrations = registrations() if self._events_only else 0
 
     def _param_addresses(self) -> list[int]:
         return self._addresses(self._params)
@@ -172,6 +203,11 @@ class ModelWatch:
         parameter, gradient and buffer objects in their slots, at the same addresses, and the
         roots' calls. One C-level pass per list (``map``), no Python frame per tensor; False
         (maybe changed: ask :meth:`check`) when not graphed or the model holds DTensors."""
+        if self._by_events:  # nothing read per tensor: see StepOptions.guard for what is unseen
+            return (
+                _registrations[0] == self._registrations
+                and self._current_calls(self._roots()) == self._calls
+            )
         if not self._fast:
             return False
         objects = self._objects
@@ -192,6 +228,8 @@ class ModelWatch:
         found = ModelChanges()
         if self.unchanged():
             return found
+        if self._events_only:  # what happened up to now is read below: a new count
+            self._registrations = registrations()
         same_objects = map(is_, map(dict.get, self._param_dicts, self._param_keys), self._objects)
         # a new Parameter on the same storage (``nn.Parameter(p.data)``) moves no address
         if self._param_addresses() != self._param_at or not all(same_objects):
