@@ -132,3 +132,54 @@ def test_the_watch_compares_flat_lists_without_walking_the_model(monkeypatch):
     assert len(found.dropped_grads) == 1 and found.dropped_grads[0][0] is model[0].weight
     model.forward = lambda x: x  # type: ignore[method-assign]
     assert watch.check().forwards == ["Sequential"]
+
+
+def _graphed_watch() -> tuple[nn.Module, ModelWatch]:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    watch = ModelWatch(lambda: (model,))
+    watch.settle(keep_grads=True)  # as while graphed: the fast path is on
+    return model, watch
+
+
+# every change the watch's full check sees, made as scripts and torch make it; the fast path
+# (one C-level pass per list, issue 51) must see each, or a replay would train on stale memory
+_CHANGES = {
+    "p.data = ...": lambda m: setattr(m[0].weight, "data", torch.randn(4, 4)),
+    "swap_tensors (model.to with swapping)": lambda m: torch.utils.swap_tensors(
+        m[0].weight, nn.Parameter(torch.randn(4, 4))
+    ),
+    "new Parameter on the same storage": lambda m: setattr(
+        m[0], "weight", nn.Parameter(m[0].weight.data)
+    ),
+    "Parameter put in the module's dict": lambda m: m[2]._parameters.__setitem__(
+        "bias", nn.Parameter(torch.zeros(2))
+    ),
+    "grad set to None": lambda m: setattr(m[2].bias, "grad", None),
+    "grad replaced": lambda m: setattr(m[2].bias, "grad", torch.zeros(2)),
+    "grad.data moved (model.to)": lambda m: setattr(m[0].weight.grad, "data", torch.zeros(4, 4)),
+    "buffer replaced": lambda m: setattr(m[1], "running_var", torch.ones(4)),
+    "buffer storage moved": lambda m: setattr(m[1].running_mean, "data", torch.zeros(4)),
+    "forward re-wrapped": lambda m: setattr(m, "forward", lambda x: x),
+    "compiled call": lambda m: m.__dict__.__setitem__("_compiled_call_impl", lambda x: x),
+}
+
+
+def test_the_watchs_fast_path_sees_nothing_when_nothing_changed():
+    model, watch = _graphed_watch()
+    assert watch.unchanged()
+    with torch.no_grad():  # values written in place (what a replay does) are no change
+        for p in model.parameters():
+            p.add_(1)
+            p.grad.mul_(0)
+        model[1].running_mean.add_(1)
+    assert watch.unchanged()
+    assert not watch.check()
+
+
+@pytest.mark.parametrize("change", list(_CHANGES), ids=list(_CHANGES))
+def test_the_watchs_fast_path_misses_no_change_its_full_check_sees(change):
+    model, watch = _graphed_watch()
+    _CHANGES[change](model)
+    assert not watch.unchanged(), change
+    assert watch.check(), change  # and the full check names it

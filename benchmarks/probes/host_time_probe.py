@@ -8,6 +8,7 @@ ddpgraph version with ``TrainStep`` and ``bare_graph()`` (so an older checkout o
 gives the "before" numbers in the same session).
 
     python benchmarks/probes/host_time_probe.py --out host-time.json
+    python benchmarks/probes/host_time_probe.py --guard events --out host-time-events.json
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--label", default="")
     parser.add_argument("--out")
+    parser.add_argument("--guard", default="full", choices=["full", "events"])
     args = parser.parse_args()
     rt = ddpgraph.init()
     torch.manual_seed(0)
     model = _mlp().to(rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss())
+    chosen = {} if args.guard == "full" else {"guard": args.guard}  # older trees: no option
+    step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss(), **chosen)
     x = torch.randn(64, 1024, device=rt.device)
     y = torch.randint(10, (64,), device=rt.device)
     for _ in range(30):
@@ -64,6 +67,7 @@ def main() -> None:
     bare = _timed(graph.replay, args.calls, args.every) if graph is not None else []
     result = {
         "label": args.label,
+        "guard": args.guard,
         "ddpgraph_file": ddpgraph.__file__,
         "torch": torch.__version__,
         "step_call_host_us": {

@@ -86,7 +86,9 @@ class CpuGraphSet(Graphs):
         self._programs[key] = program
         self.captured_keys.append(key)
         if self.guard is None:
-            self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
+            self.guard = ReplayGuard(
+                self.watched(), self.plan.optimizer, events_only=self.events_only
+            )
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:

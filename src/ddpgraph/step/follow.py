@@ -43,13 +43,15 @@ class Follower:
         report: StepReport,
         device: torch.device,
         stream: torch.cuda.Stream | None,
+        *,
+        events_only: bool = False,
     ) -> None:
         self._parallel = parallel
         self._graphs = graphs
         self._report = report
         self._device = device
         self._stream = stream
-        self.watch = ModelWatch(self._roots)
+        self.watch = ModelWatch(self._roots, events_only=events_only)
         self.settle_due = False  # the call ran eagerly: the watch takes a new baseline after it
         self._storage_moved = False  # seen moved (maybe in an evaluation): follow at training
 
@@ -62,11 +64,12 @@ class Follower:
     def before_call(self, *, training: bool, graphed: bool) -> None:
         """At the start of a call (``training``: one that may run the wrapper's collectives),
         after the wrapper's own :meth:`~.parallel.DataParallel.before_call`."""
-        parallel = self._parallel()
-        found = self.watch.check()
-        if found:
-            self._follow(found, graphed)
+        if not self.watch.unchanged():  # the common case: one C-level read, nothing to follow
+            found = self.watch.check()
+            if found:
+                self._follow(found, graphed)
         if training and self._storage_moved:
+            parallel = self._parallel()
             self._storage_moved = False
             with on_stream(self._stream):
                 done = parallel.follow_storage()

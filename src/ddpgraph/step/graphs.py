@@ -21,6 +21,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from typing import Any
 
 import torch
@@ -143,6 +144,7 @@ class Graphs:
         self._parameters = parameters
         self.params = _trainable(parameters())
         self.uncapturable: set[GraphKey] = set()
+        self.events_only = False  # guard="events" (StepOptions.guard): the replay guard's reads
         self.guard: ReplayGuard | None = None
         self._hooks: list[ReplayHook] = []
 
@@ -216,7 +218,9 @@ class Graphs:
         captured = CapturedGraph(graph, static.tensors, output)
         self._graphs[key] = captured
         if self.guard is None:
-            self.guard = ReplayGuard(self.watched(), self.plan.optimizer)
+            self.guard = ReplayGuard(
+                self.watched(), self.plan.optimizer, events_only=self.events_only
+            )
         return captured
 
     # ------------------------------------------------------------------ replay
@@ -301,6 +305,12 @@ class Graphs:
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
 
 
+_requires_grad = attrgetter("requires_grad")
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in parameters if p.requires_grad]
 
@@ -320,9 +330,11 @@ class ReplayGuard:
     would silently get wrong (what moved in the model is :class:`~.watch.ModelWatch`'s, checked
     on every call before this).
 
-    Runs before every replay, so it compares flat lists: the ``requires_grad`` flags of the
-    parameters (one pass), the identity of the optimizer's state dict, its state tensors' data
-    pointers and the param groups' plain values; about 0.2 µs per tensor on a CPU host.
+    Runs before every replay, so it compares flat lists, one C-level pass each: the
+    ``requires_grad`` flags of the parameters, the identity of the optimizer's state dict, its
+    state tensors' data pointers and the param groups' plain values (by identity; by value only
+    when an object differs). With ``events_only`` (``guard="events"``) only the state dict's
+    identity and the param groups are read: a reload replaces the state dict.
 
     * optimizer state replaced (``optimizer.load_state_dict``): the new values are copied into
       the tensors the graphs read (:func:`ddpgraph.optim.restore_identities`), never a new
@@ -331,16 +343,26 @@ class ReplayGuard:
       re-capture (the graph baked the old value in).
     """
 
-    def __init__(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        optimizer: torch.optim.Optimizer,
+        *,
+        events_only: bool = False,
+    ) -> None:
         self.params = params
         self.optimizer = optimizer
+        # guard="events": requires_grad and the state tensors are not read; a reload
+        # (load_state_dict, DCP's set_state_dict) replaces the state dict, which is compared
+        self._events_only = events_only
         self._params_seen = self._current_params()
         self._kept = tensor_slots(self.optimizer)  # what the graphs read: never re-baselined
         self._groups = hyperparameters(self.optimizer)
+        self._index_groups()
         self._index_slots()
 
     def _current_params(self) -> list[bool]:
-        return [p.requires_grad for p in self.params]
+        return list(map(_requires_grad, self.params))
 
     def _index_slots(self) -> None:
         self._state = self.optimizer.state
@@ -350,13 +372,49 @@ class ReplayGuard:
             for key, value in state.items()
             if isinstance(value, torch.Tensor)
         ]
+        self._slot_dicts = [state for state, _ in self._slots]
+        self._slot_keys = [key for _, key in self._slots]
+        self._plain = not any(hasattr(state[key], "_local_tensor") for state, key in self._slots)
         self._slot_pointers = self._current_slot_pointers()
 
+    def _index_groups(self) -> None:
+        """The param groups' plain values as flat lists, compared by identity on every call (the
+        values themselves only when an object differs: :func:`hyperparameters`)."""
+        groups = self.optimizer.param_groups
+        self._group_list = groups
+        self._group_dicts = list(groups)
+        self._group_sizes = list(map(len, groups))
+        items = [(g, k, v) for g in groups for k, v in g.items() if k not in ("params", "lr")]
+        self._value_dicts = [g for g, _, _ in items]
+        self._value_keys = [k for _, k, _ in items]
+        self._values = [v for _, _, v in items]
+
     def _current_slot_pointers(self) -> list[int]:
-        return [address(state[key]) for state, key in self._slots]
+        if self._plain:
+            try:  # one C-level pass: no Python frame per state tensor
+                return list(
+                    map(_data_ptr, map(dict.__getitem__, self._slot_dicts, self._slot_keys))
+                )
+            except (KeyError, TypeError):
+                pass  # a slot deleted or no longer a tensor: the slow path below names it
+        return [address(state[key]) if key in state else -1 for state, key in self._slots]
+
+    def _groups_unchanged(self) -> bool:
+        groups = self.optimizer.param_groups
+        return (
+            groups is self._group_list
+            and all(map(is_, groups, self._group_dicts))
+            and list(map(len, groups)) == self._group_sizes
+            and all(map(is_, map(dict.get, self._value_dicts, self._value_keys), self._values))
+        )
 
     def check(self) -> GuardFindings:
         found = GuardFindings()
+        if self._events_only:
+            if self.optimizer.state is not self._state:
+                self._restore_optimizer(found)
+            self._check_groups(found)
+            return found
         params = self._current_params()
         if params != self._params_seen:
             found.changes.append("a parameter's requires_grad changed")
@@ -367,11 +425,17 @@ class ReplayGuard:
             or self._current_slot_pointers() != self._slot_pointers
         ):
             self._restore_optimizer(found)
-        groups = hyperparameters(self.optimizer)
-        if groups != self._groups:
-            found.changes.append(describe_group_changes(self.optimizer, self._groups, groups))
-            found.recapture = True
+        self._check_groups(found)
         return found
+
+    def _check_groups(self, found: GuardFindings) -> None:
+        if not self._groups_unchanged():
+            groups = hyperparameters(self.optimizer)
+            if groups != self._groups:
+                found.changes.append(describe_group_changes(self.optimizer, self._groups, groups))
+                found.recapture = True
+            else:  # new objects of equal values (a scheduler writing momentum): the new baseline
+                self._index_groups()
 
     def _restore_optimizer(self, found: GuardFindings) -> None:
         lost = restore_identities(self.optimizer, self._kept)

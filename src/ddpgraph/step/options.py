@@ -19,6 +19,7 @@ from .precision import amp_dtype, check_scaler_options
 
 __all__ = [
     "GraphMode",
+    "GuardMode",
     "NewShapePolicy",
     "StepOptions",
     "check_arguments",
@@ -32,6 +33,7 @@ __all__ = [
 
 GraphMode = Literal["auto", "always", "never"]
 NewShapePolicy = Literal["eager", "capture", "error"]
+GuardMode = Literal["full", "events"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,23 @@ class StepOptions:
             with rank 0's buffers), not the window's last only: what a script's DDP does when
             the script accumulates without ``no_sync`` (``if step % k == 0: optimizer.step()``
             on a prepared model), bit for bit; k gradient syncs per update instead of one.
+        guard: how each call learns what the script changed since the last one. "full" (the
+            default) reads, while graphed, every parameter's, gradient's and buffer's object
+            and address, each parameter's ``requires_grad``, each optimizer state tensor's
+            address and each submodule's mode: one C-level pass per list, a cost that grows
+            with the number of tensors. "events" reads only what does not grow with the model
+            (the roots' forward and mode, the optimizer's state dict and param-group values)
+            and learns of the rest from torch's hooks: a parameter, buffer or submodule set on
+            any module (``module.weight = ...``, ``register_buffer``, ``load_state_dict(assign=True)``)
+            and an ``optimizer.load_state_dict`` (DCP's ``set_state_dict`` too) by the new state
+            dict it leaves. It does not see,
+            between graphed calls: ``p.data = ...`` or a ``model.to()`` that moves memory in
+            place, ``requires_grad_()``, a submodule's own ``.train()`` / ``.eval()`` (the whole
+            model's is seen), gradients set to None or replaced (``zero_grad()``: the graph
+            keeps training on its own gradient tensors, but the script's ``p.grad`` reads
+            None), a parameter put into a module's ``_parameters`` dict directly, or one
+            optimizer state tensor replaced by hand. Use it only for a loop that does none
+            of these between calls; eager calls (warm-up, fallbacks) read everything in both.
     """
 
     graph: GraphMode = "auto"
@@ -95,6 +114,7 @@ class StepOptions:
     parallel: ParallelMode = "auto"
     check_finite: bool = False
     sync_every_call: bool = False
+    guard: GuardMode = "full"
 
     def __post_init__(self) -> None:
         _check_choice("parallel", self.parallel, PARALLEL_CHOICES)
@@ -145,6 +165,7 @@ class StepOptions:
         _check_compile(self.compile)
         _check_choice("graph", self.graph, ("auto", "always", "never"))
         _check_choice("on_new_shape", self.on_new_shape, ("eager", "capture", "error"))
+        _check_choice("guard", self.guard, ("full", "events"))
         if not is_int(self.accumulate) or self.accumulate < 1:
             raise ConfigError(f"accumulate={self.accumulate!r} must be an integer >= 1.")
         if self.clip_grad_norm is not None and not (

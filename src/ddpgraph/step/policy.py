@@ -24,6 +24,7 @@ import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -60,6 +61,7 @@ from .window import Window
 
 __all__ = ["CapturePolicy"]
 
+_training = attrgetter("training")
 _EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
 
 
@@ -105,7 +107,16 @@ class CapturePolicy:
         self._eval_calls: Counter[GraphKey] = Counter()
         self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
         # what a script or framework changes in the model between calls
-        self.follower = Follower(lambda: self.body.parallel, graphs, report, device, stream)
+        events_only = options.guard == "events"
+        if graphs is not None:
+            graphs.events_only = events_only
+        self.follower = Follower(
+            lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
+        )
+        # guard="events" while graphed: the submodules' modes re-read only when the model's own
+        # mode changed (model.train() / model.eval()); see StepOptions.guard
+        self._events_only = events_only
+        self._seen_modes: tuple[bool, ...] = ()
 
     @property
     def parallel(self) -> DataParallel:
@@ -285,7 +296,16 @@ class CapturePolicy:
 
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
-        return tuple(m.training for m in self._submodules)
+        submodules = self._submodules
+        seen = self._seen_modes
+        if (
+            self._events_only
+            and self.phase is Phase.GRAPHED
+            and seen[:1] == (submodules[0].training,)
+        ):
+            return seen
+        self._seen_modes = modes = tuple(map(_training, submodules))  # C-level: no frame each
+        return modes
 
     def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
         return GraphKey(self.window.role(), modes, batch.signature, self.body.divisor)
@@ -516,7 +536,7 @@ class CapturePolicy:
 
     @contextlib.contextmanager
     def _eval_mode(self) -> Iterator[None]:
-        modes = self._modes()
+        modes = tuple(map(_training, self._submodules))  # as they are: restored after
         for module in self._submodules:
             module.training = False
         try:

@@ -26,6 +26,7 @@ from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
 from .options import (
     GraphMode,
+    GuardMode,
     NewShapePolicy,
     StepOptions,
     check_arguments,
@@ -103,11 +104,12 @@ class TrainStep(FromFrameworks):
         parallel: ParallelMode = "auto",
         check_finite: bool = False,
         sync_every_call: bool = False,
+        guard: GuardMode = "full",
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
             channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
-            defer_update, parallel, check_finite, sync_every_call,
+            defer_update, parallel, check_finite, sync_every_call, guard,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
         check_compile_fits(model, compile)

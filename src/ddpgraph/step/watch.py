@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter, is_
 from typing import cast
 
 import torch
@@ -22,6 +23,32 @@ __all__ = ["ModelChanges", "ModelWatch", "address"]
 
 # (the dict a module keeps its parameters or buffers in, the key, the name in the model)
 _Slot = tuple[dict[str, torch.Tensor | None], str, str]
+
+_grad = attrgetter("grad")
+_data_ptr = torch.Tensor.data_ptr
+
+# guard="events": how many parameters, buffers and submodules were set on any module of the
+# process (torch's global registration hooks: setattr, register_*, load_state_dict(assign=True));
+# a step compares the count instead of reading every slot
+_registrations = [0]
+_hooks_installed = [False]
+
+
+def _registered(*args: object) -> None:
+    _registrations[0] += 1
+
+
+def registrations() -> int:
+    """The process's count of parameter, buffer and submodule registrations so far (the hooks
+    installed on the first call)."""
+    if not _hooks_installed[0]:
+        from torch.nn.modules import module as torch_module
+
+        torch_module.register_module_parameter_registration_hook(_registered)
+        torch_module.register_module_buffer_registration_hook(_registered)
+        torch_module.register_module_module_registration_hook(_registered)
+        _hooks_installed[0] = True
+    return _registrations[0]
 
 
 def address(tensor: torch.Tensor) -> int:
@@ -76,17 +103,22 @@ class ModelWatch:
     module inside it). :meth:`settle` records, walking the modules once, a flat list of where each
     parameter, its gradient and each buffer live (read through the dict the owning module keeps
     them in, so a ``model.to()`` that replaced a buffer object is seen) and each root's
-    instance ``forward`` and compiled call. :meth:`check` compares without walking any module:
-    three list comprehensions over those flat lists and a few attribute reads. Measured on this
-    project's loaded 2-core CPU host (torch 2.13): 0.4-0.55 µs per parameter or buffer (200
-    parameters: ~110 µs), less than the optimizer part of the replay guard
-    (:class:`~.graphs.ReplayGuard`, ~180 µs on the same model). The step calls :meth:`settle`
+    instance ``forward`` and compiled call. While graphed, :meth:`unchanged` compares without
+    walking any module and without a Python frame per tensor: one C-level ``map`` per list (the
+    objects in their slots, their addresses, the gradients, the buffers), so a replayed call
+    makes the same calls at every model size; :meth:`check` names what changed. With
+    ``events_only`` (``guard="events"``) nothing is read per tensor: torch's global registration
+    hooks count parameters, buffers and submodules set anywhere, and the count is compared (what
+    that leaves unseen: :class:`~.options.StepOptions`). The step calls :meth:`settle`
     after every call that ran anything eagerly (gradients the step itself created or freed are
     then the new baseline); a replay changes no address, so a replayed call only checks.
     """
 
-    def __init__(self, roots: Callable[[], tuple[nn.Module, ...]]) -> None:
+    def __init__(
+        self, roots: Callable[[], tuple[nn.Module, ...]], *, events_only: bool = False
+    ) -> None:
         self._roots = roots
+        self._events_only = events_only  # guard="events": see StepOptions.guard
         self.settle()
 
     def settle(self, keep_grads: bool = False) -> None:
@@ -118,6 +150,25 @@ class ModelWatch:
         self._grad_at = [_address_or_none(p.grad) for p in self._objects]
         self._buffer_at = self._buffer_addresses()
         self._calls = self._current_calls(roots)
+        self._flat_baseline(keep_grads)
+
+    def _flat_baseline(self, keep_grads: bool) -> None:
+        """The lists :meth:`unchanged` compares with C-level ``map`` (no Python frame per tensor):
+        each slot's dict and key, the objects in them, their addresses; with ``keep_grads`` the
+        gradient objects and their addresses too (without, the full :meth:`check` compares)."""
+        self._param_dicts = [d for d, _, _ in self._params]
+        self._param_keys = [k for _, k, _ in self._params]
+        self._buffer_dicts = [d for d, _, _ in self._buffers]
+        self._buffer_keys = [k for _, k, _ in self._buffers]
+        self._buffer_objects = [cast(torch.Tensor, d[k]) for d, k, _ in self._buffers]
+        self._held = [g for g in self._grads if g is not None]
+        self._held_at = [g.data_ptr() for g in self._held]
+        # the fast path compares gradient objects: only while they are held (graphed) and each
+        # parameter had one at the baseline (an eager or partly-None state takes the full check)
+        self._fast = self._plain and keep_grads and len(self._held) == len(self._objects)
+        # guard="events" while graphed: the registration count stands for the slots' reads
+        self._by_events = self._events_only and keep_grads
+        self._registrations = registrations() if self._events_only else 0
 
     def _param_addresses(self) -> list[int]:
         return self._addresses(self._params)
@@ -147,10 +198,41 @@ class ModelWatch:
             for root in roots
         ]
 
+    def unchanged(self) -> bool:
+        """True when nothing :meth:`check` looks at changed since :meth:`settle`: the same
+        parameter, gradient and buffer objects in their slots, at the same addresses, and the
+        roots' calls. One C-level pass per list (``map``), no Python frame per tensor; False
+        (maybe changed: ask :meth:`check`) when not graphed or the model holds DTensors."""
+        if self._by_events:  # nothing read per tensor: see StepOptions.guard for what is unseen
+            return (
+                _registrations[0] == self._registrations
+                and self._current_calls(self._roots()) == self._calls
+            )
+        if not self._fast:
+            return False
+        objects = self._objects
+        return (
+            all(map(is_, map(dict.get, self._param_dicts, self._param_keys), objects))
+            and list(map(_data_ptr, objects)) == self._param_at
+            and all(map(is_, map(_grad, objects), self._held))
+            and list(map(_data_ptr, self._held)) == self._held_at
+            and all(
+                map(is_, map(dict.get, self._buffer_dicts, self._buffer_keys), self._buffer_objects)
+            )
+            and list(map(_data_ptr, self._buffer_objects)) == self._buffer_at
+            and self._current_calls(self._roots()) == self._calls
+        )
+
     def check(self) -> ModelChanges:
         """What changed since :meth:`settle`; changes nothing (the caller follows, then settles)."""
         found = ModelChanges()
-        if self._param_addresses() != self._param_at:
+        if self.unchanged():
+            return found
+        if self._events_only:  # what happened up to now is read below: a new count
+            self._registrations = registrations()
+        same_objects = map(is_, map(dict.get, self._param_dicts, self._param_keys), self._objects)
+        # a new Parameter on the same storage (``nn.Parameter(p.data)``) moves no address
+        if self._param_addresses() != self._param_at or not all(same_objects):
             self._find_parameters(found)
         grads = self._current_grads()
         if grads != self._grad_at:

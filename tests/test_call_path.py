@@ -1,0 +1,60 @@
+"""The replayed call's path held to a budget (issue 51, stage 0): the ddpgraph calls, frames and
+modules one replayed ``step(x, y)`` runs around the CPU engine's recorded program, counted by
+``benchmarks/probes/callpath_probe.py`` at 2 and 50 layers (one gloo rank, DDP, SGD).
+
+Counts, not time (deterministic for one Python version): each stage of the call-path plan
+(``reviews/call-path-turn7.md`` §5) lowers the budget to what it reached; a change that lengthens
+the replayed path, or makes it grow with the model, fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ddpgraph.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(600)  # a 50-layer capture on a loaded 2-core machine
+
+PROBE = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "callpath_probe.py"
+
+# the budget of the tree as it stands (issue 51's targets: frames 3, calls 12, modules 5, growth 0)
+FRAMES = 9  # ddpgraph frames from TrainStep.__call__ to the engine's replay, that one included
+CALLS = 57  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside)
+MODULES = 13  # the ddpgraph modules they live in
+GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
+
+
+def _probe(layers: list[int]) -> list[dict[str, Any]]:
+    spec = importlib.util.spec_from_file_location("callpath_probe", PROBE)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    return [probe.probe(n) for n in layers]
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict[int, dict[str, Any]]:
+    (rows,) = run_distributed(_probe, 1, args=([2, 50],), timeout=540)
+    return {row["layers"]: row for row in rows}
+
+
+def _shown(row: dict[str, Any]) -> str:
+    return "\n".join(["outside the replay:", *row["path"], "inside:", *row["inside"]])
+
+
+def test_the_replayed_call_keeps_to_its_frame_and_call_budget(counts):
+    small = counts[2]
+    assert small["frames"] is not None, "the probe never reached the engine's replay"
+    assert small["frames"] <= FRAMES, _shown(small)
+    assert small["calls"] <= CALLS, _shown(small)
+    assert len(small["modules"]) <= MODULES, small["modules"]
+
+
+def test_the_replayed_call_grows_no_more_than_its_budget_with_the_model(counts):
+    small, large = counts[2], counts[50]
+    assert large["frames"] == small["frames"]
+    assert large["calls"] - small["calls"] <= GROWTH, _shown(large)
+    assert len(large["modules"]) <= MODULES, large["modules"]
