@@ -6,10 +6,10 @@ The step (:func:`plan_graph_safety`), precision (:func:`skips_on_device`) and th
 Inside a graph every kernel argument is frozen at capture. Two things therefore have to live on
 the device: the optimizer's step counters (``capturable=True`` where the optimizer has it) and
 the learning rate (a 0-dim device tensor), so that an LR scheduler's change between replays is
-seen by the replayed kernels without a re-capture. Adam's and AdamW's ``betas`` join them from
-the first time a script or scheduler changes them (``OneCycleLR``'s ``cycle_momentum`` does at
-every step): :meth:`GraphSafeOptimizer.sync_betas`. A value torch's optimizer takes only as a
-number (SGD's ``momentum``) is baked in: each change re-captures, and
+seen by the replayed kernels without a re-capture. A value torch's optimizer takes only as a
+number is baked in: SGD's ``momentum``, and Adam's ``betas`` (every Adam path reads them on the
+host: ``addcmul_(value=1 - beta2)``, ``_foreach_lerp_``, the fused kernel's floats; the H100
+refused a capture of each with tensor betas). Each change re-captures, and
 :func:`describe_group_changes` says so once, with the value and the fix.
 """
 
@@ -53,63 +53,18 @@ class GraphSafeOptimizer:
     lr_tensors: list[torch.Tensor]
     # each change that changes the numbers, with its measured size (report().optimizer_changes)
     described: list[str] = field(default_factory=list)
-    # each group's betas as the plan found them, and their device tensors once they changed
-    betas_seen: list[Any] = field(default_factory=list)
-    beta_tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.betas_seen = [group.get("betas") for group in self.optimizer.param_groups]
 
     def sync_lr(self) -> None:
         """Pick up an LR a scheduler or the user assigned as a float: copy it into the tensor.
 
         ``fill_`` with a Python number is a kernel launch with the value as an argument, not a
-        host sync, so this is cheap enough for every step. Betas likewise (:meth:`sync_betas`).
+        host sync, so this is cheap enough for every step.
         """
         for group, lr in zip(self.optimizer.param_groups, self.lr_tensors):
             value = group["lr"]
             if value is not lr:
                 lr.fill_(float(value))
                 group["lr"] = lr
-        self.sync_betas()
-
-    def sync_betas(self) -> None:
-        """Betas a scheduler rewrote (``OneCycleLR(cycle_momentum=True)`` sets
-        ``group["betas"] = (momentum, beta2)`` before every step): from the first change on, a
-        pair of 0-dim device tensors per group that the graph reads, written here before each
-        replay as the LR is, so that the change costs one re-capture, not one per step. Only
-        where torch's optimizer takes tensor betas (Adam, AdamW) and the LR is a device tensor
-        (a graph's); betas that never change stay the script's floats (its numbers exactly)."""
-        groups = self.optimizer.param_groups
-        if not self.beta_tensors:
-            if not self._follows_betas() or all(
-                group.get("betas") == seen for group, seen in zip(groups, self.betas_seen)
-            ):
-                return
-            self.beta_tensors = [_beta_tensors(g, lr) for g, lr in zip(groups, self.lr_tensors)]
-            _FOLLOWED_BETAS.add(self.optimizer)
-            self.changes.append(BETAS_CHANGE)
-        for group, (beta1, beta2) in zip(groups, self.beta_tensors):
-            first, second = group["betas"]
-            if first is not beta1 or second is not beta2:
-                if first is not beta1:
-                    beta1.fill_(float(first))
-                if second is not beta2:
-                    beta2.fill_(float(second))
-                group["betas"] = (beta1, beta2)
-
-    def _follows_betas(self) -> bool:
-        # Only torch's single-tensor Adam takes tensor betas inside a capture: the foreach path
-        # passes `1 - beta1` to _foreach_lerp_ as a number and the fused kernel takes floats,
-        # both read on the host (torch/optim/adam.py; refused by the H100's capture). Elsewhere
-        # a change re-captures, and describe_group_changes says so once.
-        groups = self.optimizer.param_groups
-        return (
-            isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW))
-            and len(self.lr_tensors) == len(groups)
-            and all(isinstance(group.get("betas"), tuple) for group in groups)
-            and all(group.get("foreach") is False and not group.get("fused") for group in groups)
-        )
 
 
 def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> GraphSafeOptimizer:
@@ -293,20 +248,14 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Hashable
     """Each param group's plain values (betas, weight decay, ...) that a capture bakes in.
 
     The LR is a device tensor (read at replay) and the parameters are checked by pointer, so
-    neither is included, nor betas once they are device tensors (:meth:`~GraphSafeOptimizer.
-    sync_betas`); a tensor value counts by identity, an unhashable one by its repr.
+    neither is included; a tensor value counts by identity, an unhashable one by its repr.
     """
-    skipped = ("params", "lr", "betas") if optimizer in _FOLLOWED_BETAS else ("params", "lr")
     return [
-        {key: _frozen(value) for key, value in group.items() if key not in skipped}
+        {key: _frozen(value) for key, value in group.items() if key not in ("params", "lr")}
         for group in optimizer.param_groups
     ]
 
 
-# the change sync_betas makes, as GraphSafeOptimizer.changes lists it
-BETAS_CHANGE = "betas on device (a scheduler changes them between steps)"
-# optimizers whose betas are device tensors: hyperparameters() leaves them out
-_FOLLOWED_BETAS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 # (optimizer, group, key) already described with its value: later changes say "again"
 _DESCRIBED: weakref.WeakKeyDictionary[torch.optim.Optimizer, set[tuple[int, str]]] = (
     weakref.WeakKeyDictionary()
@@ -328,8 +277,6 @@ def describe_group_changes(
         for key in sorted(set(old) | set(new)):
             if old.get(key) == new.get(key):
                 continue
-            if key == "betas" and key not in new and optimizer in _FOLLOWED_BETAS:
-                lines.append(_betas_followed(optimizer, g))
             elif (g, key) in described:
                 lines.append(f"optimizer param group {g}'s {key!r} changed again")
             else:
@@ -338,35 +285,14 @@ def describe_group_changes(
     return "; ".join(lines) or "an optimizer param-group value changed"
 
 
-def _betas_followed(optimizer: torch.optim.Optimizer, g: int) -> str:
-    betas = optimizer.param_groups[g]["betas"]
-    now = tuple(round(float(b), 6) for b in betas)
-    return (
-        f"optimizer param group {g}'s betas changed (now {now}, as OneCycleLR(cycle_momentum="
-        "True) sets them every step): from here on they are device tensors written before each "
-        "replay, as the LR is, so later changes replay without a re-capture (torch's "
-        f"{type(optimizer).__name__} then computes with float32 betas: last-bit differences "
-        "from the float betas of an eager run)"
-    )
-
-
 def _baked_value_changed(
     optimizer: torch.optim.Optimizer, g: int, key: str, old: Hashable, new: Hashable
 ) -> str:
     name = type(optimizer).__name__
-    if key == "betas" and isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return (  # foreach or fused Adam: betas are read as numbers (_follows_betas)
-            f"optimizer param group {g}'s betas changed from {old!r} to {new!r}; {name}'s "
-            "foreach and fused kernels take betas as numbers, so the step re-captures at every "
-            "change (one capture per step under OneCycleLR(cycle_momentum=True)); pass "
-            f"{name}(..., foreach=False), whose betas the step then writes as device tensors "
-            "before each replay, or cycle_momentum=False"
-        )
     fix = (
         "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "
-        "cycle_momentum=False)), use Adam or AdamW, whose betas a scheduler may change between "
-        "replays, or pass graph='never'"
-        if key == "momentum"
+        "cycle_momentum=False)), or pass graph='never'"
+        if key in ("momentum", "betas")
         else "change it less often, or pass graph='never'"
     )
     return (
@@ -374,14 +300,6 @@ def _baked_value_changed(
         f"takes it only as a number, which a graph bakes in, so the step re-captures at every "
         f"change of it (a scheduler that rewrites it before every step, as OneCycleLR("
         f"cycle_momentum=True) does SGD's momentum, makes that one capture per step); {fix}"
-    )
-
-
-def _beta_tensors(group: dict[str, Any], lr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    first, second = group["betas"]
-    return (
-        torch.tensor(float(first), dtype=torch.float32, device=lr.device),
-        torch.tensor(float(second), dtype=torch.float32, device=lr.device),
     )
 
 
