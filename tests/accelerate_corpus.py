@@ -35,6 +35,8 @@ import torch
 from torch.optim import AdamW
 from torch.utils.data import DataLoader
 
+from .framework_workers import graph_safe_optimizer
+
 MAX_GPU_BATCH_SIZE = 16
 EVAL_BATCH_SIZE = 32
 LENGTH = 32
@@ -147,7 +149,9 @@ def nlp_example(config: dict[str, Any], ported: bool, options: dict[str, Any]) -
     )
     model = sequence_classifier()
     model = model.to(accelerator.device)
-    optimizer = AdamW(params=model.parameters(), lr=lr)
+    # changed from upstream: graph-safe as written (capturable, the LR in a tensor), so that
+    # Accelerate's own run steps the optimizer the graphed port steps
+    optimizer = graph_safe_optimizer(AdamW, model.parameters(), lr)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
         num_warmup_steps=10,
@@ -180,7 +184,7 @@ def nlp_example(config: dict[str, Any], ported: bool, options: dict[str, Any]) -
                 lr_scheduler.step()
                 if not ported:
                     optimizer.zero_grad()
-                record.lrs.append(lr_scheduler.get_last_lr()[0])
+                record.lrs.append(float(lr_scheduler.get_last_lr()[0]))
         evaluation(accelerator, model, eval_dataloader, record)
     end_training(accelerator)
     return record.result(model, optimizer)
@@ -214,7 +218,9 @@ def gradient_accumulation(
     )
     model = sequence_classifier()
     model = model.to(accelerator.device)
-    optimizer = AdamW(params=model.parameters(), lr=lr)
+    # changed from upstream: graph-safe as written (capturable, the LR in a tensor), so that
+    # Accelerate's own run steps the optimizer the graphed port steps
+    optimizer = graph_safe_optimizer(AdamW, model.parameters(), lr)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
         num_warmup_steps=10,
@@ -245,7 +251,7 @@ def gradient_accumulation(
                 if not ported:
                     optimizer.zero_grad()
             record.losses.append(loss.item())
-            record.lrs.append(lr_scheduler.get_last_lr()[0])
+            record.lrs.append(float(lr_scheduler.get_last_lr()[0]))
         evaluation(accelerator, model, eval_dataloader, record)
     end_training(accelerator)
     return record.result(model, optimizer)
@@ -280,7 +286,9 @@ def checkpointing(config: dict[str, Any], ported: bool, options: dict[str, Any])
         batch_size = MAX_GPU_BATCH_SIZE
     model = sequence_classifier()
     model = model.to(accelerator.device)
-    optimizer = AdamW(params=model.parameters(), lr=lr)
+    # changed from upstream: graph-safe as written (capturable, the LR in a tensor), so that
+    # Accelerate's own run steps the optimizer the graphed port steps
+    optimizer = graph_safe_optimizer(AdamW, model.parameters(), lr)
     lr_scheduler = get_linear_schedule_with_warmup(
         optimizer=optimizer,
         num_warmup_steps=10,

@@ -10,7 +10,14 @@ import torch
 from torch import nn
 
 from . import accelerate_corpus as corpus
-from .framework_workers import classes, mlp, run_rows, step_options, tensors_of
+from .framework_workers import (
+    classes,
+    graph_safe_optimizer,
+    mlp,
+    run_rows,
+    step_options,
+    tensors_of,
+)
 
 BASE = {"lr": 1e-3, "num_epochs": 2, "seed": 42, "batch_size": 16}
 SMALL = 400  # rows: 13 batches a rank (a tail with k=2 or 3), where the full size adds nothing
@@ -94,7 +101,8 @@ def habits_loop(
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
     model = mlp()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+    # graph-safe as written: the framework's own run steps the optimizer the graphed port steps
+    optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 0.02)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95**s)
     loader = DataLoader(classes(104), batch_size=4)
     loss_fn = nn.CrossEntropyLoss()
@@ -125,7 +133,7 @@ def habits_loop(
             losses.append(loss.item())
             if accelerator.sync_gradients:
                 norms.append(float(norm))
-                lrs.append(scheduler.get_last_lr()[0])
+                lrs.append(float(scheduler.get_last_lr()[0]))
     corpus.end_training(accelerator)
     return {
         "losses": losses,

@@ -18,7 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .framework_workers import classes, mlp, run_rows, step_options, tensors_of
+from .framework_workers import (
+    classes,
+    graph_safe_optimizer,
+    mlp,
+    run_rows,
+    step_options,
+    tensors_of,
+)
 
 ROWS: dict[str, dict[str, Any]] = {
     "image_classifier_example": {"example": True},
@@ -87,7 +94,8 @@ def image_classifier(ported: bool, options: dict[str, Any]) -> dict[str, Any]:
     test_loader = torch.utils.data.DataLoader(_mnist(64, 1), batch_size=16)
     train_loader, test_loader = fabric.setup_dataloaders(train_loader, test_loader)
     model = Net()
-    optimizer = optim.Adadelta(model.parameters(), lr=1.0)
+    # graph-safe as written: the framework's own run steps the optimizer the graphed port steps
+    optimizer = graph_safe_optimizer(optim.Adadelta, model.parameters(), 1.0)
     if ported:  # port: the step takes the model and optimizer as built
         step = TrainStep.from_fabric(fabric, model, optimizer, F.nll_loss, **options)
     else:
@@ -134,7 +142,8 @@ def habits_loop(
 
     def build(seed: int) -> tuple[Any, Any, Any, Any]:
         model = mlp(seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
+        # graph-safe as written: the framework's own run steps the optimizer the graphed port steps
+        optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 0.02)
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95**s)
         if ported:
             step = TrainStep.from_fabric(

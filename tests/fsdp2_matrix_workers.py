@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ddpgraph import TrainStep
+from ddpgraph.step.optim import make_graph_safe
 from ddpgraph.testing import CpuGraphs
 
 UPSTREAM = Path(__file__).parent / "fixtures" / "upstream" / "pytorch_examples_fsdp2"
@@ -108,6 +109,9 @@ def build(row: dict, load_from: str | None) -> tuple[Any, torch.optim.Optimizer,
         )
     else:
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # issue 47: every run steps the optimizer the graphed step steps (capturable, the LR in a
+    # tensor), the CPU engine's as CUDA's: what else differs is the graph's doing
+    make_graph_safe(optim, torch.device("cpu"))
     if checkpointer is not None:
         checkpointer.load_optim(model, optim)
     scheduler = None
@@ -202,7 +206,10 @@ def _probe() -> torch.Tensor:
 def _set_lr(row: dict, optim: torch.optim.Optimizer, i: int) -> None:
     if row.get("lr_by_hand"):
         for group in optim.param_groups:
-            group["lr"] = 1e-2 * 0.8**i
+            if isinstance(group["lr"], torch.Tensor):  # the plain run: the graph's LR tensor
+                group["lr"].fill_(1e-2 * 0.8**i)
+            else:
+                group["lr"] = 1e-2 * 0.8**i
 
 
 def _finish(row: dict, model: Any, optim: Any, out: dict, save_to: str | None) -> dict:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
-from .framework_workers import tensors_of
+from .framework_workers import graph_safe_optimizer, tensors_of
 
 
 def _classes() -> tuple[Any, Any]:
@@ -53,7 +53,11 @@ def _classes() -> tuple[Any, Any]:
             return self(x)
 
         def configure_optimizers(self) -> Any:
-            return torch.optim.Adam(self.parameters(), lr=self.hparams.learning_rate)
+            # written graph-safe (capturable, the LR in a tensor; changed from the example's
+            # plain Adam): DDPStrategy's run and GraphStrategy's, graphed or not, step one optimizer
+            return graph_safe_optimizer(
+                torch.optim.Adam, self.parameters(), self.hparams.learning_rate
+            )
 
         def _prepare_batch(self, batch: Any) -> torch.Tensor:
             x, _ = batch

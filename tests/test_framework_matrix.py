@@ -92,6 +92,12 @@ def test_accelerates_own_examples_ported_are_equal_to_accelerates_own_ddp(tmp_pa
     assert len(losses) == 115
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the CPU engine (issue 47), open: capturable Adam/AdamW at LR 0 (the bf16 "
+    "row's linear warm-up starts there) divides by step_size = lr / bias_correction1 and gives "
+    "NaN where a gradient is zero, in the framework's run and both ports alike",
+)
 def test_accelerate_matrix_is_equal_to_accelerates_own_ddp(tmp_path):
     pytest.importorskip("accelerate")
     from . import accelerate_workers as workers
@@ -99,6 +105,12 @@ def test_accelerate_matrix_is_equal_to_accelerates_own_ddp(tmp_path):
     _matrix(workers.accelerate_rows, ACCELERATE_EQUAL, ACCELERATE_EQUAL, tmp_path)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the CPU engine (issue 47), open: Fabric's image classifier steps Adadelta, "
+    "whose capturable step reads the LR tensor on the host (param.add_(delta, alpha=-lr)): a "
+    "capture refuses it (CUDA would too) and the graphed port runs eagerly",
+)
 def test_fabric_matrix_and_image_classifier_are_equal_to_fabrics_own_ddp(tmp_path):
     pytest.importorskip("lightning")
     from . import fabric_workers as workers

@@ -50,6 +50,13 @@ def test_every_ranks_buffers_are_the_plain_ddp_loops_after_every_step(calls, gra
     [{20: (0, False)}, {20: (0, False), 40: (2, False)}, {20: (0, False), 40: (0, True)}],
     ids=["freeze", "freeze-twice", "freeze-then-unfreeze"],
 )
+@pytest.mark.xfail(
+    strict=True,
+    reason="the CPU engine refuses DDP(find_unused_parameters=True)'s capture: its reducer reads "
+    "local_used_map_ on the host (reducer.cpp finalize_bucket_dense), a pinned host tensor that a "
+    "CUDA capture allows (tests/gpu/test_habits_gpu.py graphs it) and the CPU cannot tell from a "
+    "device tensor (issue 47, found by the new engine)",
+)
 def test_freezing_mid_run_graphs_again_and_trains_like_the_eager_loop(schedule):
     """find_unused_parameters=True, as airbench94: the DDP is rebuilt over the trainable set,
     the step replays again after the new DDP's warm-up, and no step differs."""

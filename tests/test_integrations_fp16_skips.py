@@ -155,7 +155,17 @@ def _skipped(logs) -> int:
 
 
 @pytest.mark.parametrize(("optim", "overflow"), fp16_workers.TRAINER_CASES)
-def test_graph_trainer_fp16_logs_the_plain_trainers_lrs_and_losses(tmp_path, optim, overflow):
+def test_graph_trainer_fp16_logs_the_plain_trainers_lrs_and_losses(
+    tmp_path, optim, overflow, request
+):
+    if optim == "adamw_torch_fused":  # issue 47: see test_integrations_transformers.ARITHMETIC
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="the plain Trainer's reference does not step the graph-safe optimizer yet "
+                "(bit for bit on the H100: tests/gpu)",
+            )
+        )
     plain, _ = _trainer_logs(False, tmp_path, optim, overflow)
     ours, trainer = _trainer_logs(True, tmp_path, optim, overflow)
     report = trainer.report().step

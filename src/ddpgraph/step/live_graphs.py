@@ -82,7 +82,10 @@ def holders(nodes: Sequence[Node]) -> list[str]:
     for obj in gc.get_objects():
         if not issubclass(type(obj), torch.Tensor):  # type(): no lazy module's __class__
             continue
-        grad_fn = obj.grad_fn
+        try:
+            grad_fn = obj.grad_fn
+        except RuntimeError:  # a custom Function's view modified in place (FSDP2's outputs)
+            continue
         if grad_fn is not None and _reaches(grad_fn, wanted):
             found.append(
                 f"a tensor of shape {tuple(obj.shape)} with grad_fn={type(grad_fn).__name__}"
