@@ -81,6 +81,11 @@ def test_lightning_matrix_is_equal_to_lightnings_own_ddp(tmp_path):
                 assert says in rows[f"{name}/{variant}"].get("error", ""), rows[f"{name}/{variant}"]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="found by the CPU engine (issue 47), open: nlp_example's linear warm-up starts at LR 0, "
+    "where capturable AdamW gives NaN for zero gradients (as in the Accelerate matrix)",
+)
 def test_accelerates_own_examples_ported_are_equal_to_accelerates_own_ddp(tmp_path):
     pytest.importorskip("accelerate")
     from . import accelerate_workers as workers
