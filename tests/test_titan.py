@@ -41,13 +41,6 @@ def runs(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     return titan, mine
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47/48, open: on the new CPU engine TrainStep's replays part from torchtitan's "
-    "step at the first replay (grad norm 1.09 vs 1.50 at step 5; the old stand-in re-ran the "
-    "Python and matched): torchtitan's selective activation checkpointing caches ops in a "
-    "TorchDispatchMode of its own inside the recording; not diagnosed",
-)
 def test_train_step_is_bitwise_torchtitans_own_train_step_over_50_steps(runs):
     titan, mine = runs
     for rank in range(2):
@@ -63,13 +56,6 @@ def test_train_step_is_bitwise_torchtitans_own_train_step_over_50_steps(runs):
     assert losses[-1] < losses[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47/48, open: on the new CPU engine TrainStep's replays part from torchtitan's "
-    "step at the first replay (grad norm 1.09 vs 1.50 at step 5; the old stand-in re-ran the "
-    "Python and matched): torchtitan's selective activation checkpointing caches ops in a "
-    "TorchDispatchMode of its own inside the recording; not diagnosed",
-)
 def test_a_checkpoint_resumes_bitwise_under_torchtitan_and_under_train_step(runs):
     titan, mine = runs
     for rank in range(2):
