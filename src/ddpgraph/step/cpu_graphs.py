@@ -19,7 +19,15 @@ from typing import Any
 import torch
 
 from .batch import Batch, GraphKey
-from .graphs import CapturedGraph, CaptureFailure, Graphs, Parameters, Replayed, ReplayGuard
+from .graphs import (
+    CapturedGraph,
+    CaptureFailure,
+    Graphs,
+    Parameters,
+    Replayed,
+    ReplayGuard,
+    first_capture_error,
+)
 from .optim import plan_graph_safety
 from .recording import Program, record
 
@@ -80,7 +88,7 @@ class CpuGraphSet(Graphs):
             output, program = record(lambda: body(static))
         except Exception as exc:
             self.uncapturable.add(key)
-            return CaptureFailure(_first_capture_error(exc))
+            return CaptureFailure(first_capture_error(exc))
         captured = CapturedGraph(None, static.tensors, output)
         self._graphs[key] = captured
         self._programs[key] = program
@@ -102,11 +110,6 @@ class CpuGraphSet(Graphs):
         self._programs[key].replay()
         return Replayed(captured.output, findings, replayed=True)
 
-    def make_optimizer_safe_again(self) -> None:
-        from .optim import make_graph_safe
-
-        make_graph_safe(self.plan.optimizer, torch.device("cpu"))
-
     def drop(self, role: Any) -> int:
         dropped = super().drop(role)
         self._programs = {k: v for k, v in self._programs.items() if k in self._graphs}
@@ -116,9 +119,3 @@ class CpuGraphSet(Graphs):
         self._graphs.clear()
         self._programs.clear()
         self.guard = None
-
-
-def _first_capture_error(exc: BaseException) -> str:
-    from .graphs import first_capture_error
-
-    return first_capture_error(exc)

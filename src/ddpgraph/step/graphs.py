@@ -270,8 +270,8 @@ class Graphs:
         make_graph_safe(self.plan.optimizer, self._stream_device())
 
     def _stream_device(self) -> torch.device:
-        assert self._stream is not None
-        return self._stream.device
+        # the CPU engine has no stream: its graphs and optimizer live on the CPU
+        return torch.device("cpu") if self._stream is None else self._stream.device
 
     # ----------------------------------------------------------------- dropping
     def drop(self, role: Role) -> int:
