@@ -81,11 +81,6 @@ def test_lightning_matrix_is_equal_to_lightnings_own_ddp(tmp_path):
                 assert says in rows[f"{name}/{variant}"].get("error", ""), rows[f"{name}/{variant}"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the CPU engine (issue 47), open: nlp_example's linear warm-up starts at LR 0, "
-    "where capturable AdamW gives NaN for zero gradients (as in the Accelerate matrix)",
-)
 def test_accelerates_own_examples_ported_are_equal_to_accelerates_own_ddp(tmp_path):
     pytest.importorskip("accelerate")
     from . import accelerate_workers as workers
@@ -97,12 +92,6 @@ def test_accelerates_own_examples_ported_are_equal_to_accelerates_own_ddp(tmp_pa
     assert len(losses) == 115
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the CPU engine (issue 47), open: capturable Adam/AdamW at LR 0 (the bf16 "
-    "row's linear warm-up starts there) divides by step_size = lr / bias_correction1 and gives "
-    "NaN where a gradient is zero, in the framework's run and both ports alike",
-)
 def test_accelerate_matrix_is_equal_to_accelerates_own_ddp(tmp_path):
     pytest.importorskip("accelerate")
     from . import accelerate_workers as workers

@@ -13,13 +13,11 @@ records each change with its measured size in ``report().optimizer_changes`` ins
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 from torch import nn
 
-from ddpgraph.step.optim import plan_graph_safety
+from ddpgraph.step.optim import allow_capturable_on_cpu, make_graph_safe, plan_graph_safety
 from ddpgraph.step.optim_diff import (
     PROBE_STEPS,
     measured_difference,
@@ -31,12 +29,11 @@ STEPS = 20
 
 
 @pytest.fixture
-def capturable_on_cpu(monkeypatch):
-    """torch refuses capturable=True on CPU tensors; the arithmetic is the same code."""
-    devices = ["cpu", "cuda"]
-    for name in ("torch.optim.adam", "torch.optim.optimizer"):
-        module = importlib.import_module(name)
-        monkeypatch.setattr(module, "_get_capturable_supported_devices", lambda **_: devices)
+def capturable_on_cpu():
+    """torch refuses capturable=True on CPU tensors; the arithmetic is the same code. The CPU
+    engine's own gate (once per process, as the step does; a monkeypatch undone after one test
+    left the step's cached gate pointing at a function no longer installed)."""
+    allow_capturable_on_cpu()
 
 
 def _model() -> nn.Module:
@@ -136,19 +133,49 @@ def test_the_report_lists_each_change_that_makes_a_difference_with_its_own_size(
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
     before = step_options(adamw)
     plan = plan_graph_safety(adamw, cpu, fp16=False)
-    assert not isinstance(plan, str) and plan.changes == ["capturable=True", "lr on device"]
-    assert [line.split(" (")[0] for line in plan.described] == plan.changes
+    assert not isinstance(plan, str)
+    assert plan.changes == ["capturable=True", "foreach=True", "lr on device"]
+    # the settings together against the script's (the for-loop path on the CPU); the LR tensor
+    # alone makes no difference on the foreach path, so it is made and not listed
+    assert [line.split(" (")[0] for line in plan.described] == plan.changes[:2]
     assert all(f"after {PROBE_STEPS} steps" in line for line in plan.described)
     settings, lr = measured_differences(adamw, 0, before[0], cpu)
-    assert settings > 0 and lr > 0  # each measured alone, each with its own size
+    assert settings > 0 and lr == 0  # each measured alone, each with its own size
     assert f"max |Δparam| {settings:.3g} vs the script's settings" in plan.described[0]
-    assert f"max |Δparam| {lr:.3g} vs the script's float LR" in plan.described[1]
 
+    # already capturable, on the for-loop path the CPU defaults to: moved to foreach (the
+    # for-loop path gives NaN at LR 0, pytorch#126514); the LR tensor alone measures 0 there
     already = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     plan = plan_graph_safety(already, cpu, fp16=False)
+    assert not isinstance(plan, str) and plan.changes == ["foreach=True", "lr on device"]
+    assert [line.split(" (")[0] for line in plan.described] == ["foreach=True"]
+    on_foreach = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True, foreach=True)
+    plan = plan_graph_safety(on_foreach, cpu, fp16=False)
     assert not isinstance(plan, str) and plan.changes == ["lr on device"]
-    # the LR tensor alone: float32, while the script's LR is a double (1e-3 is not a float32)
-    assert "max |Δparam|" in plan.described[0]
+    assert plan.described == []
+
+
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("kind", [torch.optim.Adam, torch.optim.AdamW])
+def test_a_graph_safe_adam_at_lr_0_leaves_zero_gradient_elements_alone(kind, foreach):
+    """pytorch#126514: torch's for-loop capturable Adam divides by ``-lr / bias_correction1``
+    before adding eps, so LR 0 (a linear warm-up's first step) makes every element whose second
+    moment is 0 NaN. Found by the CPU engine in the Accelerate matrix and run_glue; the graph-safe
+    optimizer steps on the foreach path (CUDA's default), which adds eps first."""
+    param = nn.Parameter(torch.tensor([1.0, 2.0, 0.0]))
+    opt = kind([param], lr=1e-3, foreach=foreach)
+    safe = make_graph_safe(opt, torch.device("cpu"))
+    safe.lr_tensors[0].fill_(0.0)
+    for _ in range(3):
+        param.grad = torch.tensor([0.5, 0.0, 0.0])
+        opt.step()
+    assert param.detach().tolist() == [1.0, 2.0, 0.0]
+    # the path it replaced is the one that fails: torch's own capturable for-loop step
+    loop = nn.Parameter(torch.tensor([1.0, 2.0, 0.0]))
+    theirs = kind([loop], lr=torch.tensor(0.0), capturable=True, foreach=False)
+    loop.grad = torch.tensor([0.5, 0.0, 0.0])
+    theirs.step()
+    assert loop.detach()[1:].isnan().all(), "torch fixed pytorch#126514: revisit foreach=True"
 
 
 @pytest.mark.parametrize(
@@ -171,6 +198,8 @@ def test_a_change_that_changes_nothing_is_made_but_not_reported(make, capturable
 
 
 def test_a_device_tensor_lr_given_by_the_script_is_no_change(capturable_on_cpu):
-    opt = torch.optim.AdamW(_model().parameters(), lr=torch.tensor(1e-3), capturable=True)
+    opt = torch.optim.AdamW(
+        _model().parameters(), lr=torch.tensor(1e-3), capturable=True, foreach=True
+    )
     plan = plan_graph_safety(opt, torch.device("cpu"), fp16=False)
     assert not isinstance(plan, str) and plan.changes == [] and plan.described == []

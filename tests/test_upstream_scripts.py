@@ -46,12 +46,6 @@ def _glue(tmp_path, variant: str, flags: list[str], **kwargs):
     return run_distributed(upstream_glue.run, 2, args=args, timeout=RUN_S, **kwargs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the CPU engine (issue 47), open: the graphed port's model is NaN at the "
-    "first save: run_glue's linear schedule reaches LR 0, where capturable AdamW (the graph's) "
-    "gives NaN for zero gradients (as in the Accelerate matrix)",
-)
 def test_run_glue_no_trainer_ported_by_hand_accumulation_is_the_script_bit_for_bit(tmp_path):
     """``--gradient_accumulation_steps 2 --checkpointing_steps epoch``, 3 epochs of 12 batches a
     rank (windows of 1, 2, ..., 2, 1; 31 calls, the last 7 replayed after the 24-call warm-up):

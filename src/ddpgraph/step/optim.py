@@ -70,6 +70,9 @@ class GraphSafeOptimizer:
 def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> GraphSafeOptimizer:
     """Turn on ``capturable`` (Adam, AdamW, …) or ``fused`` (SGD) and put the LR on ``device``.
 
+    A capturable Adam/AdamW also steps with ``foreach=True``: torch's for-loop capturable path
+    gives NaN at LR 0 (see :func:`_steps_one_tensor_at_a_time`).
+
     Raises :class:`CaptureError` naming the optimizer when it cannot be captured. Call before the
     optimizer's first step so its state is created on the device.
     """
@@ -84,6 +87,8 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
             if not group["capturable"]:
                 group["capturable"] = True
                 changes.append("capturable=True")
+            if _steps_one_tensor_at_a_time(optimizer, group) and "foreach=True" not in changes:
+                changes.append("foreach=True")
         else:  # SGD (graph_safety_problem allows no other)
             # foreach SGD turns a tensor LR into `alpha=-lr`, an implicit .item() that breaks
             # capture; the fused kernel takes the LR tensor itself.
@@ -96,6 +101,32 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
         changes.append(LR_CHANGE)  # a script that gave a device tensor LR keeps it
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
+
+
+def _steps_one_tensor_at_a_time(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Move a capturable Adam/AdamW off torch's for-loop path; True where that changes the path.
+
+    That path divides by ``-lr / bias_correction1`` before adding eps: at LR 0 (a linear warm-up's
+    first step, a decay's last, torch's own state-creating step) every element with a zero second
+    moment becomes NaN (pytorch#126514). The foreach path adds eps first and, at a nonzero LR,
+    is the path CUDA takes by default; the CPU's default is the for-loop, so the CPU engine steps
+    as a GPU does only with ``foreach=True``. A group CUDA would already step with foreach is no
+    change (torch's own default choice is asked).
+    """
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return False
+    if group.get("fused") or group.get("foreach"):
+        return False
+    chose_foreach = group.get("foreach") is None and _torch_defaults_to_foreach(group["params"])
+    group["foreach"] = True
+    return not chose_foreach
+
+
+def _torch_defaults_to_foreach(params: list[torch.Tensor]) -> bool:
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return bool(foreach)
 
 
 @functools.cache
