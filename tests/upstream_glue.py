@@ -167,6 +167,7 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     # the port's losses are train_step's returns; not for the refused first diff, whose error
     # names the line that called the step (the script's, not a wrapper's)
     _record(record, training_losses=variant == "original", step_losses=variant == "hand")
+    _step_the_graph_safe_adamw(syncing_lr=variant == "original")
     sys.argv = [
         str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
         "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
@@ -175,6 +176,24 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     ]  # fmt: skip
     runpy.run_path(str(path), run_name="__main__")
     return record
+
+
+def _step_the_graph_safe_adamw(syncing_lr: bool) -> None:
+    """The script's ``torch.optim.AdamW`` as a graphed step steps it, in every variant: made
+    graph-safe where the script builds it (before its scheduler reads the LR), so that the script's
+    own run and the port step one arithmetic (the capturable path differs from the CPU's default
+    in the last bits: step/optim_diff.py). The original also copies a float LR its scheduler wrote
+    into the LR tensor before each step, as the graphed step does before each call."""
+    from ddpgraph.step.optim import make_graph_safe
+
+    class AdamW(torch.optim.AdamW):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            safe = make_graph_safe(self, torch.device("cpu"))
+            if syncing_lr:
+                self.register_step_pre_hook(lambda *_: safe.sync_lr())
+
+    torch.optim.AdamW = AdamW  # type: ignore[misc]
 
 
 def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) -> None:
