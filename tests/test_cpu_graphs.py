@@ -276,8 +276,12 @@ def test_a_failed_capture_leaves_parameters_optimizer_state_buffers_and_rng_as_t
         lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
         lambda m: torch.optim.Adam(m.parameters(), lr=1e-2),
         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
+        # their for-loop paths read a tensor LR on the host (alpha=-lr): refused at capture
+        # until the step took the foreach path; pytorch/examples' MNIST steps Adadelta
+        lambda m: torch.optim.Adadelta(m.parameters(), lr=1.0),
+        lambda m: torch.optim.RMSprop(m.parameters(), lr=1e-2, momentum=0.9),
     ],
-    ids=["sgd-momentum", "adam", "adamw"],
+    ids=["sgd-momentum", "adam", "adamw", "adadelta", "rmsprop"],
 )
 def test_replays_equal_the_eager_loop_with_the_optimizer_the_step_steps(make_opt):
     model = make_model()

@@ -99,12 +99,6 @@ def test_accelerate_matrix_is_equal_to_accelerates_own_ddp(tmp_path):
     _matrix(workers.accelerate_rows, ACCELERATE_EQUAL, ACCELERATE_EQUAL, tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="found by the CPU engine (issue 47), open: Fabric's image classifier steps Adadelta, "
-    "whose capturable step reads the LR tensor on the host (param.add_(delta, alpha=-lr)): a "
-    "capture refuses it (CUDA would too) and the graphed port runs eagerly",
-)
 def test_fabric_matrix_and_image_classifier_are_equal_to_fabrics_own_ddp(tmp_path):
     pytest.importorskip("lightning")
     from . import fabric_workers as workers

@@ -74,7 +74,7 @@ RESHARDED_RESUMES = {"3-resume-dtensor-api-from-2", "3-resume-dcp-api-from-2"}
 
 @pytest.mark.parametrize("name", list(ROWS))
 def test_each_fsdp2_feature_trains_bit_for_bit_like_the_plain_example(matrix, name, request):
-    if name in RESHARDED_RESUMES:
+    if name in RESHARDED_RESUMES and False:
         request.applymarker(
             pytest.mark.xfail(
                 strict=True,

@@ -94,14 +94,15 @@ def _words(gen: torch.Generator, low: int, high: int) -> str:
 
 
 def graph_safe_arithmetic(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer steps as a graphed step's does (``capturable=True``, the LR a float32
-    tensor during the step, as ``ddpgraph.step.optim.make_graph_safe`` sets them) while the
-    Trainer and its scheduler keep reading float LRs: the plain run a graphed one equals."""
-    from ddpgraph.step.optim import allow_capturable_on_cpu
+    """The optimizer steps as a graphed step's does (``capturable=True``, the foreach path, the
+    LR a float32 tensor during the step, as ``ddpgraph.step.optim.make_graph_safe`` sets them) while the Trainer and its scheduler keep
+    reading float LRs: the plain run a graphed one equals."""
+    from ddpgraph.step.optim import allow_capturable_on_cpu, take_the_foreach_path
 
     allow_capturable_on_cpu()
     for group in optimizer.param_groups:
         group["capturable"] = True
+        take_the_foreach_path(group)  # the step's own rule
     floats: list[Any] = []
 
     def lr_as_tensor(opt: Any, *args: Any) -> None:

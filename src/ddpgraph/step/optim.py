@@ -37,6 +37,7 @@ __all__ = [
     "plan_graph_safety",
     "restore_identities",
     "skips_on_device",
+    "take_the_foreach_path",
     "tensor_slots",
 ]
 
@@ -70,8 +71,9 @@ class GraphSafeOptimizer:
 def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> GraphSafeOptimizer:
     """Turn on ``capturable`` (Adam, AdamW, …) or ``fused`` (SGD) and put the LR on ``device``.
 
-    A capturable Adam/AdamW also steps with ``foreach=True``: torch's for-loop capturable path
-    gives NaN at LR 0 (see :func:`_steps_one_tensor_at_a_time`).
+    A capturable optimizer also steps with ``foreach=True``, CUDA's default path: torch's
+    for-loop capturable paths give NaN at LR 0 (Adam, AdamW) or read the LR tensor on the host
+    (Adadelta, RMSprop); see :func:`take_the_foreach_path`.
 
     Raises :class:`CaptureError` naming the optimizer when it cannot be captured. Call before the
     optimizer's first step so its state is created on the device.
@@ -87,7 +89,7 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
             if not group["capturable"]:
                 group["capturable"] = True
                 changes.append("capturable=True")
-            if _steps_one_tensor_at_a_time(optimizer, group) and "foreach=True" not in changes:
+            if take_the_foreach_path(group) and "foreach=True" not in changes:
                 changes.append("foreach=True")
         else:  # SGD (graph_safety_problem allows no other)
             # foreach SGD turns a tensor LR into `alpha=-lr`, an implicit .item() that breaks
@@ -103,19 +105,18 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
 
 
-def _steps_one_tensor_at_a_time(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
-    """Move a capturable Adam/AdamW off torch's for-loop path; True where that changes the path.
+def take_the_foreach_path(group: dict[str, Any]) -> bool:
+    """Move a capturable optimizer off torch's for-loop path; True where that changes the path.
 
-    That path divides by ``-lr / bias_correction1`` before adding eps: at LR 0 (a linear warm-up's
-    first step, a decay's last, torch's own state-creating step) every element with a zero second
-    moment becomes NaN (pytorch#126514). The foreach path adds eps first and, at a nonzero LR,
-    is the path CUDA takes by default; the CPU's default is the for-loop, so the CPU engine steps
-    as a GPU does only with ``foreach=True``. A group CUDA would already step with foreach is no
-    change (torch's own default choice is asked).
+    The foreach path is the one CUDA takes by default; the CPU's default is the for-loop, which
+    is wrong inside a graph for some optimizers: Adam/AdamW's divides by ``-lr /
+    bias_correction1`` before adding eps, so at LR 0 (a linear warm-up's first step, a decay's
+    last, torch's own state-creating step) every element with a zero second moment becomes NaN
+    (pytorch#126514); Adadelta's and RMSprop's take a tensor LR as ``alpha=-lr``, a host read
+    that a capture refuses. So the CPU engine steps as a GPU does only with ``foreach=True``. A
+    group torch would already step with foreach is no change (torch's own choice is asked).
     """
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return False
-    if group.get("fused") or group.get("foreach"):
+    if "foreach" not in group or group.get("fused") or group.get("foreach"):
         return False
     chose_foreach = group.get("foreach") is None and _torch_defaults_to_foreach(group["params"])
     group["foreach"] = True
