@@ -67,20 +67,11 @@ def _equal(name: str, ours: dict, theirs: dict) -> None:
             assert torch.equal(a, b), (name, key, i, (a.float() - b.float()).abs().max())
 
 
-# issue 47: with every run stepping the graph-safe Adam (capturable, the LR a tensor), resuming
-# on 3 ranks from the 2-rank checkpoint gives a NaN first loss; not diagnosed yet
-RESHARDED_RESUMES = {"3-resume-dtensor-api-from-2", "3-resume-dcp-api-from-2"}
-
-
+# The 3-rank resumes gave a NaN first loss until the graph-safe Adam took the foreach path:
+# loading into an optimizer with no state steps it once at LR 0 with zero gradients, where
+# torch's for-loop capturable Adam makes zero-moment elements NaN (pytorch#126514)
 @pytest.mark.parametrize("name", list(ROWS))
-def test_each_fsdp2_feature_trains_bit_for_bit_like_the_plain_example(matrix, name, request):
-    if name in RESHARDED_RESUMES and False:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="a NaN first loss after a 2-to-3-rank resume with capturable Adam (open)",
-            )
-        )
+def test_each_fsdp2_feature_trains_bit_for_bit_like_the_plain_example(matrix, name):
     row = ROWS[name]
     for runs in matrix[name]:  # every rank
         _equal(name, runs["eager"], runs["plain"])
