@@ -33,6 +33,7 @@ __all__ = [
     "describe_group_changes",
     "graph_safety_problem",
     "hyperparameters",
+    "keep_scheduler_lrs_floats",
     "make_graph_safe",
     "plan_graph_safety",
     "restore_identities",
@@ -99,8 +100,61 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
     _move_step_counters(optimizer, device)
     if not all(_is_lr_tensor(group["lr"], device) for group in optimizer.param_groups):
         changes.append(LR_CHANGE)  # a script that gave a device tensor LR keeps it
+        _LR_MADE_TENSOR.add(optimizer)
+        keep_scheduler_lrs_floats()
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
+
+
+# optimizers whose float LR make_graph_safe turned into a tensor: their schedulers' state dicts
+# write the LRs as the floats the script's own run writes
+_LR_MADE_TENSOR: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_FLOATS_WRITTEN = "_ddpgraph_writes_float_lrs"  # marks a state_dict already wrapped
+
+
+def keep_scheduler_lrs_floats() -> None:
+    """Make torch's LR schedulers write an optimizer's LRs as floats in their state dicts where
+    :func:`make_graph_safe` put a tensor in place of the script's float (once per process).
+
+    A scheduler copies ``group["lr"]`` into ``_last_lr`` at each ``step()`` and, built after
+    the change, into ``base_lrs``: 0-dim tensors then, where the same script's float-LR run has
+    floats. ``torch.save`` would then write tensors into a script's checkpoint, and DCP keys a
+    list of tensors by position (``_last_lr.0``) but a list of floats as one object
+    (``_last_lr``), so neither run's checkpoint would load into the other ("Missing key in
+    checkpoint state_dict: lr_scheduler._last_lr.0"). Each ``state_dict`` defined in
+    ``torch.optim.lr_scheduler`` (LRScheduler's and the subclasses' own, e.g. LambdaLR's) is
+    wrapped to write those lists as floats for such an optimizer only: one host read per LR, at
+    save time. Loading takes either (``load_state_dict`` keeps what it is given; the next
+    ``step()`` writes tensors again, which the next save writes as floats)."""
+    from torch.optim import lr_scheduler
+
+    for cls in vars(lr_scheduler).values():
+        if not (isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler)):
+            continue
+        own = cls.__dict__.get("state_dict")
+        if own is not None and not getattr(own, _FLOATS_WRITTEN, False):
+            cls.state_dict = _writing_float_lrs(own)  # type: ignore[method-assign]
+
+
+def _writing_float_lrs(state_dict: Any) -> Any:
+    @functools.wraps(state_dict)
+    def wrapped(self: Any) -> dict[str, Any]:
+        state: dict[str, Any] = state_dict(self)
+        if getattr(self, "optimizer", None) in _LR_MADE_TENSOR:
+            for key in ("_last_lr", "base_lrs"):
+                values = state.get(key)
+                if isinstance(values, list):
+                    state[key] = [_as_float(v) for v in values]
+        return state
+
+    setattr(wrapped, _FLOATS_WRITTEN, True)
+    return wrapped
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return float(value)
+    return value
 
 
 def _steps_one_tensor_at_a_time(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
