@@ -362,8 +362,12 @@ def describe_group_changes(
         for key in sorted(set(old) | set(new)):
             if old.get(key) == new.get(key):
                 continue
-            elif (g, key) in described:
-                lines.append(f"optimizer param group {g}'s {key!r} changed again")
+            elif (g, key) in described:  # one stable text: Python shows it once
+                lines.append(
+                    f"optimizer param group {g}'s {key!r} changed again, and each change "
+                    f"re-captures: a value a scheduler rewrites before every step makes a "
+                    f"capture per step and no replay; {_fix_for(key)}"
+                )
             else:
                 described.add((g, key))
                 lines.append(_baked_value_changed(optimizer, g, key, old.get(key), new.get(key)))
@@ -374,18 +378,27 @@ def _baked_value_changed(
     optimizer: torch.optim.Optimizer, g: int, key: str, old: Hashable, new: Hashable
 ) -> str:
     name = type(optimizer).__name__
-    fix = (
-        "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "
-        "cycle_momentum=False)), or pass graph='never'"
+    whose = "Adam's betas" if key == "betas" else "SGD's momentum"
+    example = (
+        f"as OneCycleLR(cycle_momentum=True) does {whose}"
         if key in ("momentum", "betas")
-        else "change it less often, or pass graph='never'"
+        else "as a hyperparameter scheduler does"
     )
     return (
         f"optimizer param group {g}'s {key!r} changed from {old!r} to {new!r}; torch's {name} "
         f"takes it only as a number, which a graph bakes in, so the step re-captures at every "
-        f"change of it (a scheduler that rewrites it before every step, as OneCycleLR("
-        f"cycle_momentum=True) does SGD's momentum, makes that one capture per step); {fix}"
+        f"change of it (a scheduler that rewrites it before every step, {example}, makes that "
+        f"one capture per step); {_fix_for(key)}"
     )
+
+
+def _fix_for(key: str) -> str:
+    if key in ("momentum", "betas"):
+        return (
+            "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "
+            "cycle_momentum=False)), or pass graph='never'"
+        )
+    return "change it less often, or pass graph='never'"
 
 
 def _frozen(value: Any) -> Hashable:
