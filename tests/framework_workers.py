@@ -79,18 +79,14 @@ def graph_safe_optimizer(
     kind: type[torch.optim.Optimizer], params: Any, lr: float, **options: Any
 ) -> torch.optim.Optimizer:
     """The script's optimizer written as a graphed step steps it (SGD fused; Adam, AdamW, ...
-    capturable; the LR in a float32 tensor), so that the framework's own run and both ports step
-    one optimizer: on the CPU engine, as on CUDA, the graphed port cannot step the optimizer's
-    default CPU path (tests/gpu build their references with make_graph_safe). The CPU is let
-    into torch's capturable device list first, as making an optimizer graph-safe does."""
-    from ddpgraph.step.optim import allow_capturable_on_cpu
+    capturable, and on torch's foreach path where the step puts them there; the LR in a float32
+    tensor), so that the framework's own run and both ports step one optimizer: on the CPU
+    engine, as on CUDA, the graphed port cannot step the optimizer's default CPU path (tests/gpu
+    build their references with make_graph_safe). ``make_graph_safe`` itself finishes it, so
+    the reference follows the step's rule as it changes (ee225a8 moved Adam to foreach)."""
+    from ddpgraph.step.optim import make_graph_safe
 
-    global _CPU_ALLOWED
-    if not _CPU_ALLOWED:
-        allow_capturable_on_cpu()
-        _CPU_ALLOWED = True
     options["fused" if kind is torch.optim.SGD else "capturable"] = True
-    return kind(params, lr=torch.tensor(lr), **options)
-
-
-_CPU_ALLOWED = False
+    optimizer = kind(params, lr=torch.tensor(lr), **options)
+    make_graph_safe(optimizer, torch.device("cpu"))
+    return optimizer
