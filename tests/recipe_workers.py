@@ -286,7 +286,10 @@ def refused_script_accumulation(case: str) -> None:
     )
     try:
         for i, (x, y) in enumerate(loader):
-            step(x, y, last=i % 2 == 0)  # no accumulate() block: refused where k = 2
+            if case == "no_block":
+                step(x, y)  # no accumulate() block, no last=, no no_sync(): refused at k = 2
+            else:
+                step(x, y, last=i % 2 == 0)
             if case == "optimizer_step" and i % 2 == 0:
                 optimizer.step()  # the line the port forgot to remove
     finally:

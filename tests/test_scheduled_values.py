@@ -46,6 +46,16 @@ def _sgd_steps(
     return step, messages, [p.detach().clone() for p in model.parameters()]
 
 
+def _again_said_once_with_the_fix(messages: list[str], key: str) -> None:
+    """The later changes (one each step): one more warning, saying that each re-captures, that
+    a per-step rewrite means a capture per step and no replay, and the fix."""
+    again = [m for m in messages if "changed again" in m]
+    assert len(again) == 1, messages
+    assert f"param group 0's {key!r} changed again, and each change re-captures" in again[0]
+    assert "a capture per step and no replay" in again[0] and "cycle_momentum=False" in again[0]
+    assert len(messages) == 2, messages  # the first change's and this one: nothing more
+
+
 def test_sgd_momentum_a_scheduler_rewrites_each_step_is_said_once_with_value_and_fix():
     step, messages, params = _sgd_steps(graphed=True)
     assert step is not None
@@ -53,6 +63,8 @@ def test_sgd_momentum_a_scheduler_rewrites_each_step_is_said_once_with_value_and
     assert len(first) == 1, messages
     assert "param group 0's 'momentum' changed from " in first[0]
     assert "one capture per step" in first[0] and "cycle_momentum=False" in first[0]
+    assert "as OneCycleLR(cycle_momentum=True) does SGD's momentum" in first[0]
+    _again_said_once_with_the_fix(messages, "momentum")
     assert len(step.report().recaptures) > 3  # it did re-capture at each change
     _, _, eager = _sgd_steps(graphed=False)
     for a, b in zip(params, eager):
@@ -69,6 +81,8 @@ def test_adams_betas_a_scheduler_rewrites_each_step_are_said_once_with_value_and
     assert len(first) == 1, messages
     assert "param group 0's 'betas' changed from " in first[0]
     assert "cycle_momentum=False" in first[0]
+    assert "as OneCycleLR(cycle_momentum=True) does Adam's betas" in first[0], first[0]
+    _again_said_once_with_the_fix(messages, "betas")
     assert len(step.report().recaptures) > 3
     _, _, eager = _sgd_steps(graphed=False, adam=True)
     for a, b in zip(params, eager):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +38,93 @@ def ported(text: str, edits: list[tuple[str, str]]) -> str:
         assert count == 1, f"the guide's line occurs {count} times in the script: {old!r}"
         text = text.replace(old, new)
     return text
+
+
+def graph_safe_at_prepare() -> None:
+    """Make the optimizer a script passes to ``accelerator.prepare`` graph-safe there (outside
+    the script), where the port's TrainStep makes it (after the script built its scheduler): the
+    script's run then steps the arithmetic the graph steps (capturable, foreach, the LR in a
+    tensor), which differs from its own AdamW's by the rounding ``report()`` names."""
+    import torch
+    from accelerate import Accelerator
+
+    from ddpgraph.step.optim import make_graph_safe
+
+    prepare = Accelerator.prepare
+
+    def prepared(self: object, *objects: object, **kwargs: object) -> object:
+        for item in objects:
+            if isinstance(item, torch.optim.Optimizer):
+                make_graph_safe(item, torch.device("cpu"))
+        return prepare(self, *objects, **kwargs)
+
+    Accelerator.prepare = prepared  # type: ignore[method-assign]
+
+
+def ready_to_run(base: Path, path: Path, text: str) -> None:
+    """On every rank: ``text`` (the script, or its port) written to ``path`` by rank 0, the
+    working directory ``base``, no hub (offline), and Accelerate on the CPU (the README's snag:
+    else accelerate wants a GPU)."""
+    import os
+
+    import torch.distributed as dist
+
+    if int(os.environ.get("RANK", "0")) == 0:
+        path.write_text(text)
+    dist.barrier()
+    os.chdir(base)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[key] = "1"
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def record_updates(record: dict[str, Any]) -> None:
+    """At each prepared scheduler's ``step()`` (a script steps it after each optimizer step):
+    the LR (as floats) into ``record["lrs"]``, every parameter into ``record["updates"]``."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    from .framework_workers import tensors_of
+
+    scheduler_step = AcceleratedScheduler.step
+
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = scheduler_step(self, *args, **kwargs)
+        record["lrs"].append([float(lr) for lr in self.get_last_lr()])
+        params = [p for g in self.scheduler.optimizer.param_groups for p in g["params"]]
+        record["updates"].append(tensors_of(params))
+        return result
+
+    AcceleratedScheduler.step = step  # type: ignore[method-assign]
+
+
+def record_step_losses(record: dict[str, Any]) -> None:
+    """Each TrainStep call's returned loss into ``record["losses"]``, its report as
+    ``record["report"]``."""
+    import ddpgraph
+
+    call = ddpgraph.TrainStep.__call__
+
+    def train_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = call(self, *args, **kwargs)
+        record["losses"].append(loss.detach().clone())
+        record["report"] = str(self.report())
+        return loss
+
+    ddpgraph.TrainStep.__call__ = train_call  # type: ignore[method-assign]
+
+
+def graphs_on_the_cpu_engine() -> None:
+    """Every TrainStep the script builds captures and replays on the CPU engine ("The CPU
+    judges like the GPU"), the script unchanged."""
+    from ddpgraph.step import train_step as train_step_module
+    from ddpgraph.testing import CpuGraphs
+
+    build = train_step_module.build_graphs
+
+    def build_graphs(engine: Any, *args: Any) -> Any:
+        return build(engine or CpuGraphs(), *args)
+
+    train_step_module.build_graphs = build_graphs  # type: ignore[assignment]
 
 
 def _read(path: Path) -> str:

@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from .framework_workers import tensors_of
-from .upstream import ported
+from .upstream import (
+    graph_safe_at_prepare,
+    graphs_on_the_cpu_engine,
+    ported,
+    ready_to_run,
+    record_step_losses,
+    record_updates,
+)
 
 FOLDER, NAME = "transformers_run_glue_no_trainer", "run_glue_no_trainer.py"
 ROWS, EVAL_ROWS = 96, 16  # 12 batches of 4 a rank: at k = 2 windows of 1, 2, ..., 2, 1 calls
@@ -146,28 +153,25 @@ def make_inputs(folder: Path) -> None:
 
 
 def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, Any]:
-    """One rank of the script (``variant`` "original"), or of its port ("hand" or "first_diff"),
+    """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
+    at ``accelerator.prepare``, outside the script), or of its port ("hand" or "first_diff"),
     with ``flags``; what it recorded."""
     base = Path(folder)
     out = base / variant
     text = Path(script).read_text(encoding="utf-8")
-    if variant != "original":
+    if variant in ("hand", "first_diff"):
         text = ported(text, HAND_PORT if variant == "hand" else FIRST_DIFF_PORT)
     path = base / f"{variant}_{NAME}"
-    if int(os.environ.get("RANK", "0")) == 0:
-        path.write_text(text)
-    torch.distributed.barrier()
-    os.chdir(base)
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        os.environ[key] = "1"
+    ready_to_run(base, path, text)
     os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / variant)
     os.environ["HF_MODULES_CACHE"] = str(base / "modules")
-    os.environ["ACCELERATE_USE_CPU"] = "true"  # the README's snag: else accelerate wants a GPU
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "metrics": []}
     # the port's losses are train_step's returns; not for the refused first diff, whose error
     # names the line that called the step (the script's, not a wrapper's)
-    _record(record, training_losses=variant == "original", step_losses=variant == "hand")
-    _step_the_graph_safe_adamw(syncing_lr=variant == "original")
+    script = variant in ("original", "graph_safe")
+    _record(record, training_losses=script, step_losses=variant == "hand")
+    if variant == "graph_safe":
+        graph_safe_at_prepare()
     sys.argv = [
         str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
         "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
@@ -178,43 +182,11 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     return record
 
 
-def _step_the_graph_safe_adamw(syncing_lr: bool) -> None:
-    """The script's ``torch.optim.AdamW`` as a graphed step steps it, in every variant: made
-    graph-safe where the script builds it (before its scheduler reads the LR), so that the script's
-    own run and the port step one arithmetic (the capturable path differs from the CPU's default
-    in the last bits: step/optim_diff.py). The original also copies a float LR its scheduler wrote
-    into the LR tensor before each step, as the graphed step does before each call."""
-    from ddpgraph.step.optim import make_graph_safe
-
-    class AdamW(torch.optim.AdamW):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            safe = make_graph_safe(self, torch.device("cpu"))
-            if syncing_lr:
-                self.register_step_pre_hook(lambda *_: safe.sync_lr())
-
-    torch.optim.AdamW = AdamW  # type: ignore[misc]
-
-
 def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) -> None:
     import evaluate
-    from accelerate.scheduler import AcceleratedScheduler
     from transformers import AutoModelForSequenceClassification
 
-    import ddpgraph
-    from ddpgraph.step import train_step as train_step_module
-    from ddpgraph.testing import CpuGraphs
-
-    scheduler_step = AcceleratedScheduler.step
-
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        result = scheduler_step(self, *args, **kwargs)
-        record["lrs"].append(self.get_last_lr())
-        params = [p for g in self.scheduler.optimizer.param_groups for p in g["params"]]
-        record["updates"].append(tensors_of(params))
-        return result
-
-    AcceleratedScheduler.step = step  # type: ignore[method-assign]
+    record_updates(record)
     loading = AutoModelForSequenceClassification.from_pretrained
 
     def from_pretrained(*args: Any, **kwargs: Any) -> Any:
@@ -239,22 +211,9 @@ def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) ->
         return result
 
     evaluate.EvaluationModule.compute = computed  # type: ignore[method-assign]
-    call = ddpgraph.TrainStep.__call__
-
-    def train_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        loss = call(self, *args, **kwargs)
-        record["losses"].append(loss.detach().clone())
-        record["report"] = str(self.report())
-        return loss
-
     if step_losses:
-        ddpgraph.TrainStep.__call__ = train_call  # type: ignore[method-assign]
-    build = train_step_module.build_graphs
-
-    def build_graphs(engine: Any, *args: Any) -> Any:  # "The CPU judges like the GPU"
-        return build(engine or CpuGraphs(), *args)
-
-    train_step_module.build_graphs = build_graphs  # type: ignore[assignment]
+        record_step_losses(record)
+    graphs_on_the_cpu_engine()
 
 
 def saved(out: Path) -> dict[str, list[torch.Tensor]]:

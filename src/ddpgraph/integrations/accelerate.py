@@ -10,8 +10,11 @@ followed, as a prepared model and optimizer would:
   optimizer where Accelerate's ``sync_gradients`` is True: every ``gradient_accumulation_steps``
   calls, and at the end of the data (``sync_with_dataloader``: the epoch's leftover micro-batches
   step, as Accelerate's do). A prepared scheduler steps on those calls only, as before. A step
-  called outside any ``accumulate()`` block while ``gradient_accumulation_steps > 1`` is refused
-  naming the line (Accelerate would step on every call with the loss divided).
+  called outside any ``accumulate()`` block while ``gradient_accumulation_steps > 1`` follows
+  the script's own window where the script says where it ends (its DDP's ``no_sync()`` on
+  ``train_step.model``, or ``last=``: Accelerate's
+  ``gradient_accumulation_for_autoregressive_models.py``), else is refused naming the line
+  (Accelerate would step on every call with the loss divided).
 * A script that accumulates by hand on a plain ``Accelerator()`` (``if step % k == 0 or last:
   optimizer.step()``, as transformers' ``run_glue_no_trainer.py``) passes ``accumulate_calls=k``
   and ``last=`` its own condition; its micro-batches sync their gradients as the script's
@@ -189,10 +192,16 @@ def _autocast_forward(accelerator: Any, model: nn.Module) -> None:
 
 
 class AccumulateBlocks:
-    """Accelerate's ``sync_gradients`` at each step call, which must come inside an
+    """Accelerate's ``sync_gradients`` at each step call inside an
     ``accelerator.accumulate(model)`` block: Accelerate counts its window in those blocks
-    (``_do_sync``), and outside any it would step on every call with the loss divided by
-    ``gradient_accumulation_steps``: a script that meant to accumulate would not."""
+    (``_do_sync``). A script that never enters one accumulates by hand, where
+    ``gradient_accumulation_steps`` is only ``accelerator.backward``'s loss divisor (Accelerate's
+    ``gradient_accumulation_for_autoregressive_models.py``: ``model.no_sync`` on every
+    micro-batch but a window's last, then ``optimizer.step()``): its window is followed where it
+    says where each window ends, by its DDP's ``no_sync()`` on ``train_step.model`` or by
+    ``last=`` on its calls (each micro-batch still divides its loss by k, as
+    ``accelerator.backward`` did). Outside any block with neither, Accelerate would step on every
+    call with the loss divided by k, which a script meaning to accumulate would not: refused."""
 
     def __init__(self, accelerator: Any) -> None:
         self.state = accelerator.gradient_state
@@ -209,18 +218,23 @@ class AccumulateBlocks:
 
         accelerator._do_sync = counted
 
-    def __call__(self) -> bool:
-        if not self.blocks:
-            raise ConfigError(
-                f"Accelerator(gradient_accumulation_steps={self.steps}), but the TrainStep was "
-                f"called outside any `with accelerator.accumulate(model):` block, at "
-                f"{line_outside(PACKAGE_DIR)}: Accelerate would step the optimizer on every call "
-                f"with the loss divided by {self.steps}. Put the call inside `with "
-                "accelerator.accumulate(model):`, or, for a loop that accumulates by hand, build "
-                "Accelerator(gradient_accumulation_steps=1) and pass accumulate_calls=k to "
-                "from_accelerator and last=<the loop's optimizer.step() condition> to the step."
-            )
-        return bool(self.state.sync_gradients)
+    def __call__(self, script_says: bool) -> bool | None:
+        if self.blocks:
+            return bool(self.state.sync_gradients)
+        if script_says:  # the script's own window: the step counts it, as Accelerate did not
+            return None
+        raise ConfigError(
+            f"Accelerator(gradient_accumulation_steps={self.steps}), but the TrainStep was "
+            f"called outside any `with accelerator.accumulate(model):` block, at "
+            f"{line_outside(PACKAGE_DIR)}, and the script says nowhere where its accumulation "
+            f"window ends: Accelerate would step the optimizer on every call with the loss "
+            f"divided by {self.steps}, the step every {self.steps} calls. Put the call inside "
+            "`with accelerator.accumulate(model):`; or, for a loop that accumulates by hand, "
+            "pass last=<the loop's optimizer.step() condition> to each call (train_step(batch, "
+            "last=...); with its DDP's no_sync() on train_step.model around the other "
+            "micro-batches, as Accelerate's gradient_accumulation_for_autoregressive_models.py "
+            "has, the sync coming back on ends the window too)."
+        )
 
 
 class SchedulerSteps:
@@ -246,7 +260,7 @@ class SchedulerSteps:
         self.previous: tuple[int, bool] | None = None  # (scheduler steps, ended its loader)
         self.after: dict[bool, int] = {}  # stepped after a call or not -> the first such call
 
-    def __call__(self) -> bool:
+    def __call__(self, script_says: bool) -> bool | None:
         self.calls += 1
         steps = self._scheduler_steps()
         in_loader = bool(self.state.in_dataloader)

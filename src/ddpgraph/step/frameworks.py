@@ -24,8 +24,10 @@ class FromFrameworks:
     """``TrainStep.from_accelerator(...)`` and ``TrainStep.from_fabric(...)``."""
 
     # where the framework's own loop says an accumulation window ends (Accelerate's
-    # sync_gradients); None: the window counts its calls (and last=True) alone
-    loop_syncs: Callable[[], bool] | None = None
+    # sync_gradients), given whether the script says it itself (last= passed, or its own
+    # no_sync() in use); None, or a None answer: the window counts its calls, last= and the
+    # script's sync control alone
+    loop_syncs: Callable[[bool], bool | None] | None = None
 
     @classmethod
     def from_accelerator(
@@ -63,13 +65,18 @@ class FromFrameworks:
         keep_precision(fabric, model)  # the script's forwards through step.model: Fabric's
         return step
 
-    def _loop_ends_window(self, window: Window, last: bool) -> bool:
-        """``last``, or where the framework's loop state says this call syncs and steps. A loop
+    def _loop_ends_window(self, window: Window, last: bool | None, parallel: Any) -> bool:
+        """``last``, or where the framework's loop state says this call syncs and steps; the
+        state is told whether the script says where its windows end itself (``last=`` passed,
+        or its DDP's ``no_sync()`` in use: ``parallel.script_sync()`` not None). A loop
         that says "accumulate" on the window's last call would take more micro-batches per
         update than the graphs hold: refused, naming both counts."""
-        if self.loop_syncs is None:
+        assert self.loop_syncs is not None
+        says = last is not None or parallel.script_sync() is not None
+        last = bool(last)
+        syncs = self.loop_syncs(says)
+        if syncs is None:
             return last
-        syncs = self.loop_syncs()
         if not syncs and not last and window.micro_batches == window.calls - 1:
             raise ConfigError(
                 f"Accelerate says this call only accumulates (sync_gradients=False), but it "

@@ -33,6 +33,7 @@ __all__ = [
     "describe_group_changes",
     "graph_safety_problem",
     "hyperparameters",
+    "keep_scheduler_lrs_floats",
     "make_graph_safe",
     "plan_graph_safety",
     "restore_identities",
@@ -101,8 +102,61 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, device: torch.device) -> G
     _move_step_counters(optimizer, device)
     if not all(_is_lr_tensor(group["lr"], device) for group in optimizer.param_groups):
         changes.append(LR_CHANGE)  # a script that gave a device tensor LR keeps it
+        _LR_MADE_TENSOR.add(optimizer)
+        keep_scheduler_lrs_floats()
     lr_tensors = [_lr_tensor(group, device) for group in optimizer.param_groups]
     return GraphSafeOptimizer(optimizer, changes, lr_tensors)
+
+
+# optimizers whose float LR make_graph_safe turned into a tensor: their schedulers' state dicts
+# write the LRs as the floats the script's own run writes
+_LR_MADE_TENSOR: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_FLOATS_WRITTEN = "_ddpgraph_writes_float_lrs"  # marks a state_dict already wrapped
+
+
+def keep_scheduler_lrs_floats() -> None:
+    """Make torch's LR schedulers write an optimizer's LRs as floats in their state dicts where
+    :func:`make_graph_safe` put a tensor in place of the script's float (once per process).
+
+    A scheduler copies ``group["lr"]`` into ``_last_lr`` at each ``step()`` and, built after
+    the change, into ``base_lrs``: 0-dim tensors then, where the same script's float-LR run has
+    floats. ``torch.save`` would then write tensors into a script's checkpoint, and DCP keys a
+    list of tensors by position (``_last_lr.0``) but a list of floats as one object
+    (``_last_lr``), so neither run's checkpoint would load into the other ("Missing key in
+    checkpoint state_dict: lr_scheduler._last_lr.0"). Each ``state_dict`` defined in
+    ``torch.optim.lr_scheduler`` (LRScheduler's and the subclasses' own, e.g. LambdaLR's) is
+    wrapped to write those lists as floats for such an optimizer only: one host read per LR, at
+    save time. Loading takes either (``load_state_dict`` keeps what it is given; the next
+    ``step()`` writes tensors again, which the next save writes as floats)."""
+    from torch.optim import lr_scheduler
+
+    for cls in vars(lr_scheduler).values():
+        if not (isinstance(cls, type) and issubclass(cls, lr_scheduler.LRScheduler)):
+            continue
+        own = cls.__dict__.get("state_dict")
+        if own is not None and not getattr(own, _FLOATS_WRITTEN, False):
+            cls.state_dict = _writing_float_lrs(own)  # type: ignore[method-assign]
+
+
+def _writing_float_lrs(state_dict: Any) -> Any:
+    @functools.wraps(state_dict)
+    def wrapped(self: Any) -> dict[str, Any]:
+        state: dict[str, Any] = state_dict(self)
+        if getattr(self, "optimizer", None) in _LR_MADE_TENSOR:
+            for key in ("_last_lr", "base_lrs"):
+                values = state.get(key)
+                if isinstance(values, list):
+                    state[key] = [_as_float(v) for v in values]
+        return state
+
+    setattr(wrapped, _FLOATS_WRITTEN, True)
+    return wrapped
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return float(value)
+    return value
 
 
 def take_the_foreach_path(group: dict[str, Any]) -> bool:
@@ -309,8 +363,12 @@ def describe_group_changes(
         for key in sorted(set(old) | set(new)):
             if old.get(key) == new.get(key):
                 continue
-            elif (g, key) in described:
-                lines.append(f"optimizer param group {g}'s {key!r} changed again")
+            elif (g, key) in described:  # one stable text: Python shows it once
+                lines.append(
+                    f"optimizer param group {g}'s {key!r} changed again, and each change "
+                    f"re-captures: a value a scheduler rewrites before every step makes a "
+                    f"capture per step and no replay; {_fix_for(key)}"
+                )
             else:
                 described.add((g, key))
                 lines.append(_baked_value_changed(optimizer, g, key, old.get(key), new.get(key)))
@@ -321,18 +379,27 @@ def _baked_value_changed(
     optimizer: torch.optim.Optimizer, g: int, key: str, old: Hashable, new: Hashable
 ) -> str:
     name = type(optimizer).__name__
-    fix = (
-        "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "
-        "cycle_momentum=False)), or pass graph='never'"
+    whose = "Adam's betas" if key == "betas" else "SGD's momentum"
+    example = (
+        f"as OneCycleLR(cycle_momentum=True) does {whose}"
         if key in ("momentum", "betas")
-        else "change it less often, or pass graph='never'"
+        else "as a hyperparameter scheduler does"
     )
     return (
         f"optimizer param group {g}'s {key!r} changed from {old!r} to {new!r}; torch's {name} "
         f"takes it only as a number, which a graph bakes in, so the step re-captures at every "
-        f"change of it (a scheduler that rewrites it before every step, as OneCycleLR("
-        f"cycle_momentum=True) does SGD's momentum, makes that one capture per step); {fix}"
+        f"change of it (a scheduler that rewrites it before every step, {example}, makes that "
+        f"one capture per step); {_fix_for(key)}"
     )
+
+
+def _fix_for(key: str) -> str:
+    if key in ("momentum", "betas"):
+        return (
+            "keep it fixed (OneCycleLR(..., cycle_momentum=False), CyclicLR(..., "
+            "cycle_momentum=False)), or pass graph='never'"
+        )
+    return "change it less often, or pass graph='never'"
 
 
 def _frozen(value: Any) -> Hashable:

@@ -200,13 +200,19 @@ class TrainStep(FromFrameworks):
         return self._report
 
     def __call__(
-        self, *args: Any, steps: int | None = None, last: bool = False, window: int | None = None
+        self,
+        *args: Any,
+        steps: int | None = None,
+        last: bool | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One training step, or with ``accumulate_calls=k`` one micro-batch: the k-th call of a
         window syncs the gradients and steps the optimizer. ``last=True`` ends the window early
         on the micro-batches taken (as accelerate does at the end of its data; each still divides
         its loss by k); the script's own ``require_backward_grad_sync`` / ``no_sync()`` is read
-        the same way, its sync turned back on as the window's end (:mod:`.window`).
+        the same way, its sync turned back on as the window's end (:mod:`.window`). A script
+        that passes ``last=`` (True or False) on its calls says where its windows end itself,
+        which a framework's loop state (Accelerate's ``accumulate()`` blocks) then leaves to it.
         ``window=n`` (1 <= n <= k, the same on each call of a window) says this window has n
         micro-batches, each dividing its loss by n, as timm's ``train.py`` divides an epoch's
         short last window (``step(x, y, window=accum_steps)``)."""
@@ -222,9 +228,10 @@ class TrainStep(FromFrameworks):
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
         self._policy.check_shape(batch)
-        last = self._loop_ends_window(self._policy.window, last)
+        if self.loop_syncs is not None:  # a framework's loop state (Accelerate's) has a say
+            last = self._loop_ends_window(self._policy.window, last, self._body.parallel)
         try:  # no frame of its own: this is the replayed path
-            loss = self._policy.train(batch, 1, last=last, window=window)
+            loss = self._policy.train(batch, 1, last=bool(last), window=window)
         except RuntimeError as exc:
             _raise_if_peer_gone(exc, self._report.steps)
             raise
