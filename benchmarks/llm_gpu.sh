@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/llm_gpu.sh            # on the GPU machine (the device tool: carry .whl)
 #   SMOKE=1 bash benchmarks/llm_gpu.sh    # on a CPU: a tiny run through the CPU graph engine
+#   MODELS=small bash benchmarks/llm_gpu.sh   # the small model only
 #
 # TRL's SFTTrainer, SFT packed and a PEFT LoRA Trainer (benchmarks/llm.py), on a small Llama
 # (512 x 4) and a ~300M one (1024 x 20), bf16, 200 steps each: steps/s, tokens/s, the replayed
@@ -32,7 +33,7 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
 fi
 gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower())')
 status=0
-for model in small 300m; do
+for model in ${MODELS:-small 300m}; do  # MODELS=small: one model
   # each model well inside the device's 10-minute call
   timeout "${MODEL_TIMEOUT:-280}" "$python" benchmarks/llm.py --model "$model" \
     --out "$out/llm-$model-$gpu.json" || status=$?
