@@ -152,6 +152,9 @@ class TrainStep(FromFrameworks):
         if isinstance(graphs, str):
             self._policy.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
         self._report.mode = self.mode
+        # what __call__ tests as attributes (fixed at construction)
+        self._data_only = steps_per_replay > 1  # step(x, y) refused: step(data) only
+        self._shape_rule = on_new_shape == "error"
 
     # ----------------------------------------------------------------- public
     @property
@@ -210,7 +213,10 @@ class TrainStep(FromFrameworks):
         ``window=n`` (1 <= n <= k, the same on each call of a window) says this window has n
         micro-batches, each dividing its loss by n, as timm's ``train.py`` divides an epoch's
         short last window (``step(x, y, window=accum_steps)``)."""
-        self._policy.check_open("step()")
+        # attribute tests only: a helper is called where there is something to check or say
+        policy = self._policy
+        if policy.phase is Phase.CLOSED:
+            policy.check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
             if window is not None or last:
                 raise ConfigError(
@@ -218,17 +224,22 @@ class TrainStep(FromFrameworks):
                     "(steps_per_replay), no accumulate_calls window; drop them."
                 )
             return self._run_data(args[0], steps)
-        self._feed.check_batch_call(steps)
+        if steps is not None or self._data_only:
+            self._feed.check_batch_call(steps)
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
-        self._policy.check_shape(batch)
-        last = self._loop_ends_window(self._policy.window, last)
+        if self._shape_rule:
+            policy.check_shape(batch)
+        if self.loop_syncs is not None:
+            last = self._loop_ends_window(policy.window, last)
         try:  # no frame of its own: this is the replayed path
-            loss = self._policy.train(batch, 1, last=last, window=window)
+            loss = policy.train(batch, 1, last=last, window=window)
         except RuntimeError as exc:
             _raise_if_peer_gone(exc, self._report.steps)
             raise
-        return self._checked(loss)
+        if self._finite is not None:
+            self._finite.check()
+        return loss
 
     def update(self) -> None:
         """``defer_update=True``: the optimizer step on the synced window, in place of the script's
