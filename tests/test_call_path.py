@@ -22,9 +22,10 @@ PROBE = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "call
 
 # the budget of the tree as it stands (issue 51's targets: frames 3, calls 12, modules 5, growth 0)
 FRAMES = 9  # ddpgraph frames from TrainStep.__call__ to the engine's replay, that one included
-CALLS = 46  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
-# stage 1 (59 before): the front tests attributes, make_batch computes the signature once
-MODULES = 11  # the ddpgraph modules they live in
+CALLS = 35  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
+# stage 1 (59 before): the front tests attributes, make_batch computes the signature once (46);
+# stage 2: one Guard checked once before the replay, none inside the engine (35)
+MODULES = 9  # the ddpgraph modules they live in
 GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
 
 

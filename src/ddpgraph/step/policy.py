@@ -50,7 +50,6 @@ from .graphs import (
     CapturedGraph,
     CaptureFailure,
     Graphs,
-    Replayed,
     on_stream,
 )
 from .options import StepOptions, warn_at_user_line
@@ -105,11 +104,8 @@ class CapturePolicy:
         self._reference: Signature | None = None  # the signature on_new_shape compares against
         self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
         self._eval_calls: Counter[GraphKey] = Counter()
-        self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
         # what a script or framework changes in the model between calls
         events_only = options.guard == "events"
-        if graphs is not None:
-            graphs.events_only = events_only
         self.follower = Follower(
             lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
         )
@@ -137,7 +133,7 @@ class CapturePolicy:
         return loss
 
     def _train_call(self, batch: Batch, last: bool, window: int | None) -> torch.Tensor:
-        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
+        self._guarded(training=True)
         starts = self.window.begin(batch, last, self.parallel.script_sync(), window)
         self.body.divisor = self.window.divisor
         self._follow_trainable()
@@ -153,7 +149,8 @@ class CapturePolicy:
         # as DDP's post-forward sets require_forward_param_sync (an attribute: no call here)
         body = self.body
         body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+        if self.follower.settle_due:
+            self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return loss
 
     def update(self) -> None:
@@ -164,7 +161,7 @@ class CapturePolicy:
         self._watched(self.watch_phase(), self._update)
 
     def _update(self) -> None:
-        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
+        self._guarded(training=True)
         self.window.take_update()
         self.parallel.buffers_due = True
         key = GraphKey("update", self._modes(), NO_BATCH.signature)
@@ -176,7 +173,8 @@ class CapturePolicy:
             self.body.update()
         self.grad_norm = self.body.grad_norm
         self.follower.settle_due = True
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+        if self.follower.settle_due:
+            self.follower.settle(graphed=self.phase is Phase.GRAPHED)
 
     def _update_graphed(self, key: GraphKey) -> bool:
         """Replay the update graph, capturing it first once the window's "sync" graph exists
@@ -185,13 +183,12 @@ class CapturePolicy:
         due = key not in graphs and key not in graphs.uncapturable and graphs.keys_of("sync")
         if due and self._eager_before_capture == 0:
             started = time.perf_counter()
-            result = graphs.capture(key, NO_BATCH, lambda _: self._updated())
+            result = self._capture_graph(key, NO_BATCH, lambda _: self._updated())
             if isinstance(result, CaptureFailure):
                 self.warn_or_raise(f"the optimizer update runs eagerly: {result.reason}")
                 return False
             self._record_capture(key, started)
         replayed = graphs.replay(key, NO_BATCH)
-        self._note_changes(replayed)
         if not replayed.replayed:
             return False
         self.grad_norm = replayed.output
@@ -201,21 +198,32 @@ class CapturePolicy:
         self.body.update()
         return self.body.grad_norm
 
+    def _guarded(self, *, training: bool) -> None:
+        """At the start of a call (``training``: one that may run the wrapper's collectives):
+        what the script changed since the last call, followed before anything runs. The common
+        case is one check that finds nothing."""
+        follower = self.follower
+        seen = follower.guard.check()
+        if seen is not None:
+            follower.follow(seen, graphed=self.phase is Phase.GRAPHED)
+        if training and follower.storage_moved:
+            follower.follow_storage()
+
     def _follow_trainable(self) -> None:
         """A script that froze or unfroze parameters (``requires_grad``): the wrapper rebuilt
         over the new set and the training graphs dropped, so the step captures again after the
         new wrapper's warm-up. Checked by the replay guard while graphed (no cost here), on
         every call otherwise."""
-        if self.phase is Phase.GRAPHED and not self._trainable_changed:
+        if self.phase is Phase.GRAPHED and not self.follower.trainable_changed:
             return
-        self._trainable_changed = False
+        self.follower.trainable_changed = False
         if not self.parallel.follow_trainable():
             return
         for param in self.parallel.inner.parameters():
             if not param.requires_grad:
                 param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
+        self.follower.drop_training()
         if self.graphs is not None:
-            self.graphs.drop_training()
             self.graphs.parameters_changed()
         self.follower.settle_due = True
         get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
@@ -231,6 +239,7 @@ class CapturePolicy:
         """Free every graph and the pool; later calls raise."""
         if self.graphs is not None:
             self.graphs.close()
+        self.follower.guard.forget_optimizer()
         self.output = self.grad_norm = None
         self.phase = Phase.CLOSED
 
@@ -335,7 +344,7 @@ class CapturePolicy:
             reason = _every_failure(self.parallel.failures_of_every_rank(mine))
             if any_dirty:
                 self._reset_wrapper(reason)  # on every rank: DDP's bucket rebuild is collective
-            self._graphs().drop_training()
+            self.follower.drop_training()
             self.enter_eager(reason)
             return self._eager(batch)
         self.phase = Phase.GRAPHED
@@ -387,9 +396,20 @@ class CapturePolicy:
         if found is not None:
             warn_at_user_line(f"TrainStep: {found}")
         device_batch = self.to_device(batch)
-        result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
+        result = self._capture_graph(key, device_batch, lambda b: self._captured(b, key.role))
         if self.body.syncs(key.role):
             self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
+        return result
+
+    def _capture_graph(
+        self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
+    ) -> CapturedGraph | CaptureFailure:
+        """Capture ``body`` under ``key``; the first graph fixes the optimizer's baseline
+        (what the graphs read: a reload is copied back into it)."""
+        graphs = self._graphs()
+        result = graphs.capture(key, batch, body)
+        if isinstance(result, CapturedGraph):
+            self.follower.guard.watch_optimizer(graphs.watched(), graphs.plan.optimizer)
         return result
 
     def _captured(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
@@ -426,7 +446,7 @@ class CapturePolicy:
         that cannot be done raises with the capture's own failure (``reason``) named."""
         with _naming_the_failure(reason):
             self.parallel.reset()
-        self._graphs().drop_training()
+        self.follower.drop_training()
         self._eager_before_capture = 2
 
     def _graphs(self) -> Graphs:
@@ -438,8 +458,6 @@ class CapturePolicy:
         """Replay ``key``'s graph (the one call into the graphs per replayed step); None when
         it has none, or when what the script changed asks for a re-capture."""
         replayed = self._graphs().replay(key, batch)
-        self._note_changes(replayed)
-        self._follow_trainable()
         if not replayed.replayed:
             return None
         loss: torch.Tensor
@@ -448,21 +466,6 @@ class CapturePolicy:
         # a copy the script may keep (as an eager step's): the next replay overwrites the graph's
         # own, and scripts append losses to a list and average them at the end of a window
         return loss.clone()
-
-    def _note_changes(self, replayed: Replayed) -> None:
-        news = replayed.findings.changes
-        if replayed.findings.trainable_changed:
-            # followed by the next training call (or this one, in _replay): never inside an
-            # evaluation, which may be rank-local while rebuilding the wrapper is a collective
-            self._trainable_changed = True
-        if replayed.findings.recapture:
-            dropped = replayed.findings.dropped
-            warn_at_user_line(
-                f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
-            )
-            self.report.recaptures.extend(news)
-        elif news:
-            get_logger().info("TrainStep: %s", "; ".join(news))
 
     def _eager(self, batch: Batch) -> torch.Tensor:
         self.follower.settle_due = True
@@ -531,7 +534,8 @@ class CapturePolicy:
         self.parallel.before_call()
         with self._eval_mode():
             output = self._watched("eval", lambda: self._evaluate(batch))
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+        if self.follower.settle_due:
+            self.follower.settle(graphed=self.phase is Phase.GRAPHED)
         return output
 
     @contextlib.contextmanager
@@ -547,7 +551,7 @@ class CapturePolicy:
 
     def _evaluate(self, batch: Batch) -> Any:
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
-        self.follower.before_call(training=False, graphed=self.phase is Phase.GRAPHED)
+        self._guarded(training=False)
         self.window.warn_if_open("evaluate()")
         if self.parallel.buffers_due:
             # DDP's eval forward after a training step starts with rank 0's buffers (later ones
@@ -559,7 +563,6 @@ class CapturePolicy:
             self._capture_eval(key, batch)
         if self.graphs is not None and key in self.graphs:
             replayed = self.graphs.replay(key, batch)
-            self._note_changes(replayed)
             if replayed.replayed:
                 self.report.eval_replays += 1
                 return replayed.output
@@ -575,7 +578,7 @@ class CapturePolicy:
 
     def _capture_eval(self, key: GraphKey, batch: Batch) -> None:
         started = time.perf_counter()
-        result = self._graphs().capture(key, self.to_device(batch), self.body.forward_eval)
+        result = self._capture_graph(key, self.to_device(batch), self.body.forward_eval)
         if isinstance(result, CaptureFailure):
             self.warn_or_raise(
                 f"evaluation of {describe(batch.signature)} runs eagerly: {result.reason}"
