@@ -198,7 +198,9 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
         if len(args) <= len(_POSITIONAL)
         else tuple(map(str, range(len(args))))
     )
-    return Batch("args", names, args, _signature("args", names, args))
+    # the signature inline (as _signature): no helper frame on the replayed path
+    leaves = map(Leaf, map(_shape, args), map(_dtype, args), map(_device, args))
+    return Batch("args", names, args, Signature("args", names, tuple(leaves)))
 
 
 def _require_tensor(value: object, what: str) -> None:

@@ -125,6 +125,7 @@ class Graphs:
     ) -> None:
         self._stream = stream
         self._graphs: dict[GraphKey, CapturedGraph] = {}
+        self.captured = self._graphs  # read-only view for `key in graphs.captured` (no frame)
         self._pool: Any = None
         self.plan = plan
         self._parameters = parameters

@@ -219,7 +219,7 @@ class Guard:
         failed capture's reset), so a new root is always in the next call's baseline."""
         opt = self.optimizer
         try:
-            if self.unchanged() and (opt is None or _optimizer_unchanged(opt)):
+            if self.unchanged():
                 return None
         except (KeyError, TypeError):
             pass  # a slot deleted or no longer a tensor: the slow path below names it
@@ -229,32 +229,54 @@ class Guard:
         return seen if seen or seen.recapture else None
 
     def unchanged(self) -> bool:
-        """The model's fast path: the same objects in their slots, at the same addresses, and
-        the roots' calls (one C-level pass per list); False when not graphed (or DTensors)."""
+        """The fast path: the same objects in their slots, at the same addresses, the roots'
+        calls, and (once watched) the optimizer's state, state tensors, param-group values and
+        ``requires_grad`` flags (one C-level pass per list); False when not graphed (or
+        DTensors). Raises KeyError/TypeError on a deleted or non-tensor optimizer state slot,
+        which :meth:`check` sends to the slow path."""
         dicts = list(map(_module_dict, self._root_list))
-        if (
-            list(
-                zip(
-                    map(dict.get, dicts, self._forward_keys),
-                    map(dict.get, dicts, self._compiled_keys),
-                )
-            )
-            != self._calls
-        ):
+        calls = zip(
+            map(dict.get, dicts, self._forward_keys), map(dict.get, dicts, self._compiled_keys)
+        )
+        if list(calls) != self._calls:
             return False
         if self._by_events:  # nothing read per tensor: see StepOptions.guard for what is unseen
-            return _registrations[0] == self._registrations
-        objects = self._objects
-        return (
+            if _registrations[0] != self._registrations:
+                return False
+        elif not (
             self._fast
-            and all(map(is_, map(dict.get, self._param_dicts, self._param_keys), objects))
-            and list(map(_data_ptr, objects)) == self._param_at
-            and all(map(is_, map(_grad, objects), self._held))
+            and all(map(is_, map(dict.get, self._param_dicts, self._param_keys), self._objects))
+            and list(map(_data_ptr, self._objects)) == self._param_at
+            and all(map(is_, map(_grad, self._objects), self._held))
             and list(map(_data_ptr, self._held)) == self._held_at
             and all(
                 map(is_, map(dict.get, self._buffer_dicts, self._buffer_keys), self._buffer_objects)
             )
             and list(map(_data_ptr, self._buffer_objects)) == self._buffer_at
+        ):
+            return False
+        opt = self.optimizer
+        if opt is None:
+            return True
+        groups = opt.optimizer.param_groups
+        return (
+            opt.optimizer.state is opt.state
+            and (
+                opt.events_only
+                or (
+                    list(map(_requires_grad, opt.params)) == opt.params_seen
+                    and (
+                        list(map(_data_ptr, map(dict.__getitem__, opt.slot_dicts, opt.slot_keys)))
+                        if opt.plain
+                        else opt.slot_pointers()
+                    )
+                    == opt.slot_at
+                )
+            )
+            and groups is opt.group_list
+            and all(map(is_, groups, opt.group_dicts))
+            and list(map(len, groups)) == opt.group_sizes
+            and all(map(is_, map(dict.get, opt.value_dicts, opt.value_keys), opt.values))
         )
 
     def _find(self) -> Seen:
@@ -328,31 +350,6 @@ def _calls_of(roots: tuple[nn.Module, ...]) -> list[tuple[object, object]]:
             map(dict.get, dicts, ["forward"] * len(dicts)),
             map(dict.get, dicts, ["_compiled_call_impl"] * len(dicts)),
         )
-    )
-
-
-def _optimizer_unchanged(opt: OptimizerBaseline) -> bool:
-    """The optimizer's fast path (C-level passes; raises KeyError/TypeError on a deleted or
-    non-tensor state slot, which the caller sends to the slow path)."""
-    groups = opt.optimizer.param_groups
-    return (
-        opt.optimizer.state is opt.state
-        and (
-            opt.events_only
-            or (
-                list(map(_requires_grad, opt.params)) == opt.params_seen
-                and (
-                    list(map(_data_ptr, map(dict.__getitem__, opt.slot_dicts, opt.slot_keys)))
-                    if opt.plain
-                    else opt.slot_pointers()
-                )
-                == opt.slot_at
-            )
-        )
-        and groups is opt.group_list
-        and all(map(is_, groups, opt.group_dicts))
-        and list(map(len, groups)) == opt.group_sizes
-        and all(map(is_, map(dict.get, opt.value_dicts, opt.value_keys), opt.values))
     )
 
 
