@@ -58,7 +58,6 @@ class Follower:
         self._device = device
         self._stream = stream
         self.guard = Guard(self._roots, events_only=events_only)
-        self.settle_due = False  # the call ran eagerly: the guard takes a new baseline after it
         self.storage_moved = False  # seen moved (maybe in an evaluation): follow at training
         # a requires_grad changed: the wrapper follows at the next training call (rebuilding
         # it is a collective; an evaluation may be rank-local)
@@ -78,20 +77,12 @@ class Follower:
             done = self._parallel().follow_storage()
         if done is not None:
             get_logger().info("TrainStep: %s", done)
-        self.settle_due = True
 
     def drop_training(self) -> int:
         """Drop every training graph: the guard takes the optimizer's baseline at the next
         capture."""
         self.guard.forget_optimizer()
         return self._graphs.drop_training() if self._graphs is not None else 0
-
-    def settle(self, *, graphed: bool) -> None:
-        """After a call that ran anything eagerly: the model as the step left it is the watch's
-        new baseline (a replay changes no address, so replayed calls skip this)."""
-        if self.settle_due:
-            self.settle_due = False
-            self.guard.settle(keep_grads=graphed)
 
     def follow(self, found: Seen, graphed: bool) -> None:
         """What :meth:`Guard.check` found, followed (or refused), before the call runs."""
@@ -137,7 +128,6 @@ class Follower:
             with on_stream(self._stream), torch.no_grad():
                 for param, grad in found.dropped_grads:
                     param.grad = grad.zero_()
-        self.settle_due = True
 
     def _drop_graphs(self, found: Seen) -> None:
         graphs = self._graphs

@@ -203,8 +203,8 @@ class Runner:
                 win.end(role)
             # as DDP's post-forward sets require_forward_param_sync (an attribute: no call)
             body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
-            if follower.settle_due:
-                follower.settle(graphed=self.state.phase is Phase.GRAPHED)
+            if action is not Action.REPLAY or seen is not None:
+                self._settle()
         except BaseException as exc:
             if wd is not None:
                 wd.leave()
@@ -236,20 +236,20 @@ class Runner:
         self._watched(self.watch_phase(), self._update)
 
     def _update(self) -> None:
-        self._guarded(training=True)
+        seen = self._guarded(training=True)
         self.window.take_update()
         self.parallel.buffers_due = True
         key = GraphKey("update", self._modes(), NO_BATCH.signature)
         if self.phase is Phase.GRAPHED and self._update_graphed(key):
+            if seen is not None:
+                self._settle()
             return
         with on_stream(self._stream):
             if self.graphs is not None:
                 self.graphs.plan.sync_lr()  # the LR the script just set
             self.body.update()
         self.grad_norm = self.body.grad_norm
-        self.follower.settle_due = True
-        if self.follower.settle_due:
-            self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+        self._settle()
 
     def _update_graphed(self, key: GraphKey) -> bool:
         """Replay the update graph, capturing it first once the window's "sync" graph exists
@@ -273,11 +273,19 @@ class Runner:
         self.body.update()
         return self.body.grad_norm
 
-    def _guarded(self, *, training: bool) -> None:
+    def _guarded(self, *, training: bool) -> Seen | None:
         """At the start of a call (``training``: one that may run the wrapper's collectives):
-        what the script changed since the last call, followed before anything runs. The common
-        case is one check that finds nothing."""
-        self._follow(self.follower.guard.check(), training=training)
+        what the script changed since the last call, followed before anything runs (and
+        returned). The common case is one check that finds nothing."""
+        seen = self.follower.guard.check()
+        self._follow(seen, training=training)
+        return seen
+
+    def _settle(self) -> None:
+        """After a call that ran anything eagerly, captured, or followed what the guard saw:
+        the model as the step left it is the guard's new baseline. The one place it is
+        re-taken; a call that only replayed keeps it (a replay changes no address)."""
+        self.follower.guard.settle(keep_grads=self.state.phase is Phase.GRAPHED)
 
     def _follow(self, seen: Seen | None, *, training: bool) -> None:
         follower = self.follower
@@ -302,7 +310,6 @@ class Runner:
         self.follower.drop_training()
         if self.graphs is not None:
             self.graphs.parameters_changed()
-        self.follower.settle_due = True
         get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def check_open(self, what: str) -> None:
@@ -435,7 +442,6 @@ class Runner:
 
     def _capture(self, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
         """Capture the step for this key on the device copy of ``batch``."""
-        self.follower.settle_due = True
         found = self.parallel.before_capture()  # e.g. an earlier loss's graph still alive
         if found is not None:
             warn_at_user_line(f"TrainStep: {found}")
@@ -512,7 +518,6 @@ class Runner:
         return loss.clone()
 
     def _eager(self, batch: Batch) -> torch.Tensor:
-        self.follower.settle_due = True
         n = self.call_steps
         self.report.eager_steps += n
         warming_up = self.phase is Phase.WARMUP
@@ -578,9 +583,9 @@ class Runner:
         watched; every module's own mode restored after it."""
         self.parallel.before_call()
         with self._eval_mode():
-            output = self._watched("eval", lambda: self._evaluate(batch))
-        if self.follower.settle_due:
-            self.follower.settle(graphed=self.phase is Phase.GRAPHED)
+            settle, output = self._watched("eval", lambda: self._evaluate(batch))
+        if settle:
+            self._settle()
         return output
 
     @contextlib.contextmanager
@@ -594,9 +599,10 @@ class Runner:
             for module, training in zip(self._submodules, modes):
                 module.training = training
 
-    def _evaluate(self, batch: Batch) -> Any:
+    def _evaluate(self, batch: Batch) -> tuple[bool, Any]:
+        """(whether the guard's baseline is re-taken after it, the output)."""
         key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
-        self._guarded(training=False)
+        seen = self._guarded(training=False)
         self.window.warn_if_open("evaluate()")
         if self.parallel.buffers_due:
             # DDP's eval forward after a training step starts with rank 0's buffers (later ones
@@ -610,10 +616,9 @@ class Runner:
             replayed = self.graphs.replay(key, batch)
             if replayed.replayed:
                 self.report.eval_replays += 1
-                return replayed.output
-        self.follower.settle_due = True
+                return seen is not None, replayed.output
         with on_stream(self._stream):
-            return self.body.forward_eval(self.to_device(batch))
+            return True, self.body.forward_eval(self.to_device(batch))
 
     def _eval_capture_due(self, key: GraphKey) -> bool:
         if self.options.graph == "never" or key in self._graphs().uncapturable:
