@@ -33,7 +33,7 @@ import torch.distributed as dist
 import ddpgraph
 from ddpgraph import bench
 from ddpgraph.distributed import watchdog
-from ddpgraph.step import policy as step_policy
+from ddpgraph.step import runner as step_runner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def _trainstep_is_wired() -> bool:
-    return hasattr(step_policy, "watchdog")
+    return hasattr(step_runner, "watchdog")
 
 
 def _hot_path_us(calls: int = 20000) -> float:

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.timeout(600)  # a 50-layer capture on a loaded 2-core m
 PROBE = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "callpath_probe.py"
 
 # the budget of the tree as it stands (issue 51's targets: frames 3, calls 12, modules 5, growth 0)
-FRAMES = 9  # ddpgraph frames from TrainStep.__call__ to the engine's replay, that one included
-CALLS = 59  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
-# 57 on the call-path branch, 2 more from issue 52's window divisor and the LR sync before the guard
-MODULES = 13  # the ddpgraph modules they live in
+FRAMES = 3  # ddpgraph frames from TrainStep.__call__ to the engine's replay, that one included
+CALLS = 11  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
+# stage 1 (59 before): the front tests attributes, make_batch computes the signature once (46);
+# stage 2: one Guard checked once before the replay, none inside the engine (35);
+# stage 3: the runner replays from its own frame after the pure decide (11)
+MODULES = 8  # the ddpgraph modules they live in
 GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
 
 

@@ -14,9 +14,8 @@ import torch
 from torch import nn
 
 from ddpgraph import ConfigError, TrainStep
-from ddpgraph.step.graphs import ReplayGuard
+from ddpgraph.step.guard import Guard
 from ddpgraph.step.optim import make_graph_safe
-from ddpgraph.step.watch import ModelWatch
 from ddpgraph.testing import CpuGraphs
 
 from .step_workers import batches, make_model
@@ -24,10 +23,10 @@ from .step_workers import batches, make_model
 pytestmark = pytest.mark.timeout(240)
 
 
-def _graphed_watch(events_only: bool) -> tuple[nn.Module, ModelWatch]:
+def _graphed_watch(events_only: bool) -> tuple[nn.Module, Guard]:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     model(torch.randn(3, 4)).sum().backward()
-    watch = ModelWatch(lambda: (model,), events_only=events_only)
+    watch = Guard(lambda: (model,), events_only=events_only)
     watch.settle(keep_grads=True)  # as while graphed
     return model, watch
 
@@ -63,44 +62,50 @@ def test_the_events_watch_reads_nothing_per_tensor_and_so_misses_what_it_documen
         lambda m: setattr(m[2].bias, "grad", None),
     ):
         model, events = _graphed_watch(events_only=True)
-        full = ModelWatch(lambda model=model: (model,))
+        full = Guard(lambda model=model: (model,))
         full.settle(keep_grads=True)
         change(model)
         assert events.unchanged() and not full.unchanged()
 
 
-def _guard(events_only: bool) -> tuple[torch.optim.Optimizer, ReplayGuard]:
+def _guard(events_only: bool) -> tuple[torch.optim.Optimizer, Guard]:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     make_graph_safe(opt, torch.device("cpu"))
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
-    return opt, ReplayGuard(list(model.parameters()), opt, events_only=events_only)
+    guard = Guard(lambda: (model,), events_only=events_only)
+    guard.watch_optimizer(list(model.parameters()), opt)  # as at the first capture
+    return opt, guard
 
 
 def test_the_events_replay_guard_sees_a_load_state_dict_by_the_state_dict_it_replaces():
     for events_only in (True, False):
         opt, guard = _guard(events_only)
-        assert not guard.check().changes
+        assert guard.check() is None
         saved = copy.deepcopy(opt.state_dict())
         kept = [opt.state[p]["momentum_buffer"] for p in opt.param_groups[0]["params"]]
         opt.load_state_dict(saved)  # new state tensors: the graphs read the old ones
         found = guard.check()
-        assert found.changes == ["optimizer state loaded: values copied into the captured tensors"]
+        assert found is not None
+        assert found.optimizer == [
+            "optimizer state loaded: values copied into the captured tensors"
+        ]
         assert all(
             opt.state[p]["momentum_buffer"] is k
             for p, k in zip(opt.param_groups[0]["params"], kept)
         )
-        assert not guard.check().changes
+        assert guard.check() is None
 
 
 def test_the_events_replay_guard_sees_a_changed_param_group_value():
     opt, guard = _guard(events_only=True)
     opt.param_groups[0]["momentum"] = 0.5
-    assert guard.check().recapture
+    found = guard.check()
+    assert found is not None and found.recapture
     opt, guard = _guard(events_only=True)
     opt.param_groups[0]["momentum"] = float("0.9")  # a new object, the same value: no change
-    assert not guard.check().changes
+    assert guard.check() is None
 
 
 def _run(guard: str, each) -> tuple[TrainStep, nn.Module, list[torch.Tensor]]:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ddpgraph import ConfigError, TrainStep
-from ddpgraph.step.watch import ModelWatch
+from ddpgraph.step.guard import Guard
 from ddpgraph.testing import CpuGraphs, run_distributed
 
 from . import watch_workers as workers
@@ -114,7 +114,7 @@ def test_a_model_moved_to_another_device_type_is_refused_naming_it(monkeypatch):
 def test_the_watch_compares_flat_lists_without_walking_the_model(monkeypatch):
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2, bias=False))
     model(torch.randn(3, 4)).sum().backward()
-    watch = ModelWatch(lambda: (model,))
+    watch = Guard(lambda: (model,))
     watch.settle(keep_grads=True)  # as while graphed
 
     def walked(*args, **kwargs):
@@ -134,10 +134,10 @@ def test_the_watch_compares_flat_lists_without_walking_the_model(monkeypatch):
     assert watch.check().forwards == ["Sequential"]
 
 
-def _graphed_watch() -> tuple[nn.Module, ModelWatch]:
+def _graphed_watch() -> tuple[nn.Module, Guard]:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     model(torch.randn(3, 4)).sum().backward()
-    watch = ModelWatch(lambda: (model,))
+    watch = Guard(lambda: (model,))
     watch.settle(keep_grads=True)  # as while graphed: the fast path is on
     return model, watch
 

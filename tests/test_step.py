@@ -195,7 +195,7 @@ def test_warmup_is_raised_to_a_capturable_count(requested, planned):
     step = TrainStep(
         model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), warmup=requested
     )
-    assert step._policy.warmup == planned
+    assert step._runner.warmup == planned
 
 
 def test_optimizers_are_made_graph_safe_or_refused():
@@ -444,7 +444,7 @@ def test_warnings_point_at_the_users_line():
     model = make_model()
     step = TrainStep(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss())
     with pytest.warns(UserWarning, match="continues eagerly") as record:
-        step._policy.warn_or_raise("a reason")
+        step._runner.warn_or_raise("a reason")
     assert record[0].filename == __file__
 
 

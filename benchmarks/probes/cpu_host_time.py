@@ -44,7 +44,7 @@ def build(layers: int) -> nn.Module:
 
 def _engine(step: Any) -> Any:
     """The CPU engine of a TrainStep, wherever this version keeps it."""
-    for path in (("_runner", "engine"), ("_policy", "graphs"), ("_engine",)):
+    for path in (("_runner", "engine"), ("_runner", "graphs"), ("_policy", "graphs"), ("_engine",)):
         obj = step
         try:
             for name in path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "Leaf",
     "Role",
     "Signature",
+    "batch_of",
     "data_batch",
     "describe",
     "differences",
@@ -81,23 +83,24 @@ class GraphKey:
 
 @dataclass(frozen=True)
 class Batch:
+    """A call's tensors, named, with their :class:`Signature` computed once where the batch is
+    made (the key of every graph lookup: a replayed call reads it, never rebuilds it). Make one
+    with :func:`make_batch`, :func:`data_batch`, :func:`gathered_batch` or :func:`batch_of`."""
+
     kind: Kind
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
+    signature: Signature
     source: Any = None  # "data": the DeviceData the step gathers from
     steps: int = 1  # "data": training steps in this call
 
-    @property
-    def signature(self) -> Signature:
-        if self.source is not None:
-            # the token: a graph gathers from one DeviceData's tensors, never another's
-            names = (f"{self.steps} steps", f"DeviceData #{self.source.token}", *self.names)
-            return Signature("data", names, self.source.batch_shapes)
-        leaves = tuple(Leaf(t.shape, t.dtype, t.device) for t in self.tensors)
-        return Signature(self.kind, self.names, leaves)
-
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> Batch:
-        return replace(self, tensors=tuple(tensors))
+        """The same entries on other tensors (a device copy, static inputs): their own
+        signature (a CUDA copy of a CPU batch is keyed as what it is)."""
+        tensors = tuple(tensors)
+        if self.source is not None:
+            return replace(self, tensors=tensors)
+        return replace(self, tensors=tensors, signature=_signature(self.kind, self.names, tensors))
 
     def to(self, device: torch.device, *, channels_last: bool) -> Batch:
         """The batch on ``device`` (non-blocking); 4-d tensors channels_last if asked."""
@@ -129,29 +132,54 @@ def _moved(tensor: torch.Tensor, device: torch.device, channels_last: bool) -> t
     return tensor
 
 
-NO_BATCH = Batch("args", (), ())  # what the update graph reads: nothing but the gradients
+_shape, _dtype, _device = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+
+
+def _signature(kind: Kind, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> Signature:
+    # C-level map: no Python frame per tensor on the replayed path
+    leaves = map(Leaf, map(_shape, tensors), map(_dtype, tensors), map(_device, tensors))
+    return Signature(kind, names, tuple(leaves))
+
+
+def batch_of(kind: Kind, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> Batch:
+    """A batch of tensors with its signature."""
+    return Batch(kind, names, tensors, _signature(kind, names, tensors))
+
+
+NO_BATCH = batch_of("args", (), ())  # what the update graph reads: nothing but the gradients
 
 
 def data_batch(data: Any, steps: int) -> Batch:
     """``steps`` training steps whose batches the step gathers from ``data`` (a DeviceData)."""
-    return Batch("data", data.names, (), source=data, steps=steps)
+    # the token: a graph gathers from one DeviceData's tensors, never another's
+    names = (f"{steps} steps", f"DeviceData #{data.token}", *data.names)
+    signature = Signature("data", names, data.batch_shapes)
+    return Batch("data", data.names, (), signature, source=data, steps=steps)
 
 
 def gathered_batch(data: Any, tensors: tuple[torch.Tensor, ...]) -> Batch:
     """One batch gathered from a DeviceData: positional, or a mapping as its keys say."""
-    return Batch(data.kind, data.names, tensors)
+    return batch_of(data.kind, data.names, tensors)
+
+
+# "0", "1", ...: the names of positional entries, made once
+_POSITIONAL = tuple(map(str, range(32)))
 
 
 def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
-    """Check ``step(...)``'s arguments and name them; raise naming the entry that is wrong."""
+    """Check ``step(...)``'s arguments and name them; raise naming the entry that is wrong.
+
+    On every call: an inline type test per entry and the names from a table (no helper frame
+    unless an entry is wrong)."""
     if len(args) == 1 and isinstance(args[0], Mapping):
         mapping = args[0]
-        names = tuple(str(k) for k in mapping)
+        names = tuple(map(str, mapping))
         for name in names:
-            _require_tensor(mapping[name], f"batch[{name!r}]")
+            if not isinstance(mapping[name], torch.Tensor):
+                _require_tensor(mapping[name], f"batch[{name!r}]")
         if not names:
             raise ValueError("TrainStep got an empty mapping; pass the model's keyword inputs.")
-        return Batch("mapping", names, tuple(mapping[n] for n in names))
+        return batch_of("mapping", names, tuple(map(mapping.__getitem__, names)))
     if len(args) == 1 and isinstance(args[0], (list, tuple)):
         raise TypeError(
             f"TrainStep got one {type(args[0]).__name__} of {len(args[0])} item(s), not tensors; "
@@ -163,8 +191,16 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
             "or step(batch) with one mapping of the model's keyword inputs."
         )
     for i, item in enumerate(args):
-        _require_tensor(item, f"batch element {i}")
-    return Batch("args", tuple(str(i) for i in range(len(args))), tuple(args))
+        if not isinstance(item, torch.Tensor):
+            _require_tensor(item, f"batch element {i}")
+    names = (
+        _POSITIONAL[: len(args)]
+        if len(args) <= len(_POSITIONAL)
+        else tuple(map(str, range(len(args))))
+    )
+    # the signature inline (as _signature): no helper frame on the replayed path
+    leaves = map(Leaf, map(_shape, args), map(_dtype, args), map(_device, args))
+    return Batch("args", names, args, Signature("args", names, tuple(leaves)))
 
 
 def _require_tensor(value: object, what: str) -> None:

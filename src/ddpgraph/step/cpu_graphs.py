@@ -25,7 +25,6 @@ from .graphs import (
     Graphs,
     Parameters,
     Replayed,
-    ReplayGuard,
     first_capture_error,
 )
 from .optim import plan_graph_safety
@@ -93,22 +92,17 @@ class CpuGraphSet(Graphs):
         self._graphs[key] = captured
         self._programs[key] = program
         self.captured_keys.append(key)
-        if self.guard is None:
-            self.guard = ReplayGuard(
-                self.watched(), self.plan.optimizer, events_only=self.events_only
-            )
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        self.plan.sync_lr()  # as Graphs.replay: before the guard (betas become tensors here)
-        findings = self.check()
         captured = self._graphs.get(key)
         if captured is None:
-            return Replayed(None, findings)
+            return Replayed(None)
+        self.plan.sync_lr()  # as Graphs.replay: the LR the script set since
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
         self._programs[key].replay()
-        return Replayed(captured.output, findings, replayed=True)
+        return Replayed(captured.output, replayed=True)
 
     def drop(self, role: Any) -> int:
         dropped = super().drop(role)
@@ -118,4 +112,3 @@ class CpuGraphSet(Graphs):
     def close(self) -> None:
         self._graphs.clear()
         self._programs.clear()
-        self.guard = None

@@ -1,7 +1,8 @@
 """Following what a script or framework changed in the model between two TrainStep calls.
 
-:class:`~.watch.ModelWatch` finds it; :class:`Follower` decides what each change means for the
-wrapper and the graphs, before anything of the call runs (on every call, eager or graphed).
+:class:`~.guard.Guard` finds it (one check at the start of every call, eager or graphed);
+:class:`Follower` decides what each change means for the wrapper, the optimizer and the graphs,
+before anything of the call runs, called only when the guard found something.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from torch import nn
 from .._log import get_logger
 from ..errors import ConfigError
 from .graphs import Graphs, on_stream
+from .guard import Guard, Seen
 from .options import warn_at_user_line
 from .parallel import DataParallel
 from .report import StepReport
-from .watch import ModelChanges, ModelWatch
 
 __all__ = ["Follower"]
 
@@ -33,7 +34,12 @@ class Follower:
     * gradients the script set to None (``optimizer.zero_grad()``) while graphed: the captured
       tensors are put back, zeroed (what the eager step would start from);
     * a new ``nn.Parameter`` object (the optimizer holds the old one), or the model moved to
-      another device: :class:`~ddpgraph.ConfigError` naming it.
+      another device: :class:`~ddpgraph.ConfigError` naming it;
+    * the optimizer (once graphed): a reload is already copied into the captured tensors (the
+      optimizer made graph-safe again: a loaded group may say ``capturable=False``); a changed
+      param-group value or ``requires_grad`` drops the training graphs (captured again, with a
+      warning); a changed ``requires_grad`` is followed by the next training call
+      (:attr:`trainable_changed`).
     """
 
     def __init__(
@@ -51,9 +57,11 @@ class Follower:
         self._report = report
         self._device = device
         self._stream = stream
-        self.watch = ModelWatch(self._roots, events_only=events_only)
-        self.settle_due = False  # the call ran eagerly: the watch takes a new baseline after it
-        self._storage_moved = False  # seen moved (maybe in an evaluation): follow at training
+        self.guard = Guard(self._roots, events_only=events_only)
+        self.storage_moved = False  # seen moved (maybe in an evaluation): follow at training
+        # a requires_grad changed: the wrapper follows at the next training call (rebuilding
+        # it is a collective; an evaluation may be rank-local)
+        self.trainable_changed = False
 
     def _roots(self) -> tuple[nn.Module, ...]:
         """The modules a call runs: the script's module, and the wrapper around it."""
@@ -61,30 +69,48 @@ class Follower:
         inner, outer = parallel.inner, parallel.module
         return (inner,) if outer is inner else (inner, outer)
 
-    def before_call(self, *, training: bool, graphed: bool) -> None:
-        """At the start of a call (``training``: one that may run the wrapper's collectives),
-        after the wrapper's own :meth:`~.parallel.DataParallel.before_call`."""
-        if not self.watch.unchanged():  # the common case: one C-level read, nothing to follow
-            found = self.watch.check()
-            if found:
-                self._follow(found, graphed)
-        if training and self._storage_moved:
-            parallel = self._parallel()
-            self._storage_moved = False
-            with on_stream(self._stream):
-                done = parallel.follow_storage()
-            if done is not None:
-                get_logger().info("TrainStep: %s", done)
-            self.settle_due = True
+    def follow_storage(self) -> None:
+        """At a training call after storage moved (:attr:`storage_moved`): the wrapper follows
+        the model's new memory (rebuilding DDP is a collective)."""
+        self.storage_moved = False
+        with on_stream(self._stream):
+            done = self._parallel().follow_storage()
+        if done is not None:
+            get_logger().info("TrainStep: %s", done)
 
-    def settle(self, *, graphed: bool) -> None:
-        """After a call that ran anything eagerly: the model as the step left it is the watch's
-        new baseline (a replay changes no address, so replayed calls skip this)."""
-        if self.settle_due:
-            self.settle_due = False
-            self.watch.settle(keep_grads=graphed)
+    def drop_training(self) -> int:
+        """Drop every training graph: the guard takes the optimizer's baseline at the next
+        capture."""
+        self.guard.forget_optimizer()
+        return self._graphs.drop_training() if self._graphs is not None else 0
 
-    def _follow(self, found: ModelChanges, graphed: bool) -> None:
+    def follow(self, found: Seen, graphed: bool) -> None:
+        """What :meth:`Guard.check` found, followed (or refused), before the call runs."""
+        if found.model_changed:
+            self._follow_model(found, graphed)
+        if found.optimizer:
+            self._follow_optimizer(found)
+
+    def _follow_optimizer(self, found: Seen) -> None:
+        if self._graphs is not None:
+            self._graphs.make_optimizer_safe_again()
+        if found.trainable_changed:
+            self.trainable_changed = True
+        news = found.optimizer
+        if not found.recapture:
+            get_logger().info("TrainStep: %s", "; ".join(news))
+            return
+        if self._graphs is not None:
+            for param in self._graphs.watched():
+                if not param.requires_grad:
+                    param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
+        dropped = self.drop_training()
+        warn_at_user_line(
+            f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
+        )
+        self._report.recaptures.extend(news)
+
+    def _follow_model(self, found: Seen, graphed: bool) -> None:
         if found.moved or found.replaced:
             self._check_devices()  # a move to another device replaces Parameters (meta, XLA)
         if found.replaced:
@@ -95,17 +121,17 @@ class Follower:
                 "(param.data.copy_(new)), or build the optimizer and TrainStep again."
             )
         if found.moved:
-            self._storage_moved = True
+            self.storage_moved = True
         if found.moved or found.forwards:
             self._drop_graphs(found)
         elif found.dropped_grads and graphed:
             with on_stream(self._stream), torch.no_grad():
                 for param, grad in found.dropped_grads:
                     param.grad = grad.zero_()
-        self.settle_due = True
 
-    def _drop_graphs(self, found: ModelChanges) -> None:
+    def _drop_graphs(self, found: Seen) -> None:
         graphs = self._graphs
+        self.guard.forget_optimizer()
         dropped = graphs.drop_all() if graphs is not None else 0
         if graphs is not None:
             graphs.parameters_changed()
@@ -118,7 +144,7 @@ class Follower:
             self._report.recaptures.append(found.describe())
 
     def _check_devices(self) -> None:
-        devices = self.watch.devices()
+        devices = self.guard.devices()
         moved_to = {d for d in devices if d.type != self._device.type}
         if self._device.type == "cuda":
             moved_to |= {d for d in devices if d.index != self._device.index}

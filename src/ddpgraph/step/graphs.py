@@ -20,8 +20,7 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from operator import attrgetter, is_
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,22 +31,12 @@ from .._globals import Global, process_global
 from .._typed_torch import cuda_stream
 from ..errors import explain_exception
 from .batch import Batch, GraphKey, Role
-from .optim import (
-    GraphSafeOptimizer,
-    describe_group_changes,
-    hyperparameters,
-    make_graph_safe,
-    restore_identities,
-    tensor_slots,
-)
-from .watch import address
+from .optim import GraphSafeOptimizer, make_graph_safe
 
 __all__ = [
     "CaptureFailure",
     "CapturedGraph",
     "Graphs",
-    "GuardFindings",
-    "ReplayGuard",
     "capture_stream",
     "first_capture_error",
     "on_stream",
@@ -109,11 +98,9 @@ class CaptureFailure:
 
 @dataclass
 class Replayed:
-    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key to replay,
-    or the guard dropped the training graphs), and what the guard found before it."""
+    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key)."""
 
     output: Any
-    findings: GuardFindings
     replayed: bool = False
 
 
@@ -121,10 +108,9 @@ class Graphs:
     """Every graph of one TrainStep by key, their pool, static buffers, guard and replay hooks.
 
     ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
-    nothing) and keeps the graph; ``replay(key, batch)`` checks the guard (one call per step:
-    what the script changed is put back in place, or the training graphs are dropped for a
-    re-capture), syncs the LR tensors, copies the batch into the static inputs, replays and runs
-    the hooks. ``close()`` drops every graph and the pool, so the memory returns to PyTorch's
+    nothing) and keeps the graph; ``replay(key, batch)`` syncs the LR tensors, copies the batch
+    into the static inputs, replays and runs the hooks (what a script changed since the last
+    call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph and the pool, so the memory returns to PyTorch's
     allocator. ``parameters()`` gives the wrapped model's parameters (the trainable ones are
     the graphs' to guard; a re-capture reads them again).
     """
@@ -139,13 +125,12 @@ class Graphs:
     ) -> None:
         self._stream = stream
         self._graphs: dict[GraphKey, CapturedGraph] = {}
+        self.captured = self._graphs  # read-only view for `key in graphs.captured` (no frame)
         self._pool: Any = None
         self.plan = plan
         self._parameters = parameters
         self.params = _trainable(parameters())
         self.uncapturable: set[GraphKey] = set()
-        self.events_only = False  # guard="events" (StepOptions.guard): the replay guard's reads
-        self.guard: ReplayGuard | None = None
         self._hooks: list[ReplayHook] = []
 
     # ------------------------------------------------------------------ lookup
@@ -217,27 +202,17 @@ class Graphs:
             return CaptureFailure(first_capture_error(exc))
         captured = CapturedGraph(graph, static.tensors, output)
         self._graphs[key] = captured
-        if self.guard is None:
-            self.guard = ReplayGuard(
-                self.watched(), self.plan.optimizer, events_only=self.events_only
-            )
         return captured
 
     # ------------------------------------------------------------------ replay
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        """Check the guard, then replay the graph of ``key`` on ``batch``.
-
-        The output is graph-owned (overwritten by the next replay of this key). Nothing is
-        replayed when no graph of ``key`` exists or the guard dropped the training graphs (a
-        re-capture is due); ``findings`` says what the guard found either way.
-        """
-        self.plan.sync_lr()  # before the guard: betas a scheduler rewrote become tensors here
-        findings = self.check()
+        """Replay the graph of ``key`` on ``batch``; nothing when there is none (a re-capture
+        is due). The output is graph-owned (overwritten by the next replay of this key)."""
         captured = self._graphs.get(key)
         if captured is None:
-            return Replayed(None, findings)
+            return Replayed(None)
         self._launch(captured, batch)
-        return Replayed(captured.output, findings, replayed=True)
+        return Replayed(captured.output, replayed=True)
 
     def _launch(self, captured: CapturedGraph, batch: Batch) -> None:
         assert self._stream is not None and captured.graph is not None
@@ -248,22 +223,6 @@ class Graphs:
         stream = torch.cuda.current_stream(self._stream.device)
         for hook in self._hooks:
             hook(stream)
-
-    def check(self) -> GuardFindings:
-        """What changed since capture, handled: optimizer reloads put back in place; a changed
-        ``requires_grad`` or param-group value drops the training graphs (a re-capture)."""
-        if self.guard is None:
-            return GuardFindings()
-        found = self.guard.check()
-        if found.changes:
-            self.make_optimizer_safe_again()
-        if found.recapture:
-            self.params = _trainable(self._parameters())
-            for param in self._parameters():
-                if not param.requires_grad:
-                    param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
-            found.dropped = self.drop_training()
-        return found
 
     def make_optimizer_safe_again(self) -> None:
         """After a reload: a loaded param group may say capturable=False or foreach SGD."""
@@ -283,8 +242,6 @@ class Graphs:
             # torch frees a private pool when its last graph goes: capture into a new one
             self._pool = None
         self.uncapturable = {k for k in self.uncapturable if k.role != role}
-        if role == "train":
-            self.guard = None
         return len(keys)
 
     def drop_training(self) -> int:
@@ -301,154 +258,11 @@ class Graphs:
             torch.cuda.synchronize(self._stream_device())
         self._graphs.clear()
         self._pool = None
-        self.guard = None
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
-
-
-_requires_grad = attrgetter("requires_grad")
-
-
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     return [p for p in parameters if p.requires_grad]
-
-
-@dataclass
-class GuardFindings:
-    """What one :meth:`ReplayGuard.check` found and handled; empty when nothing changed."""
-
-    changes: list[str] = field(default_factory=list)
-    recapture: bool = False  # the graphs read something that changed: capture them again
-    dropped: int = 0  # training graphs dropped for that re-capture
-    trainable_changed: bool = False  # a parameter's requires_grad: the wrapper follows it
-
-
-class ReplayGuard:
-    """Detects what changed in the optimizer and the trainable set since capture that a replay
-    would silently get wrong (what moved in the model is :class:`~.watch.ModelWatch`'s, checked
-    on every call before this).
-
-    Runs before every replay, so it compares flat lists, one C-level pass each: the
-    ``requires_grad`` flags of the parameters, the identity of the optimizer's state dict, its
-    state tensors' data pointers and the param groups' plain values (by identity; by value only
-    when an object differs). With ``events_only`` (``guard="events"``) only the state dict's
-    identity and the param groups are read: a reload replaces the state dict.
-
-    * optimizer state replaced (``optimizer.load_state_dict``): the new values are copied into
-      the tensors the graphs read (:func:`ddpgraph.optim.restore_identities`), never a new
-      baseline; a slot that cannot be restored asks for a re-capture;
-    * a param-group value changed (weight decay, betas), or a parameter's ``requires_grad``:
-      re-capture (the graph baked the old value in).
-    """
-
-    def __init__(
-        self,
-        params: list[nn.Parameter],
-        optimizer: torch.optim.Optimizer,
-        *,
-        events_only: bool = False,
-    ) -> None:
-        self.params = params
-        self.optimizer = optimizer
-        # guard="events": requires_grad and the state tensors are not read; a reload
-        # (load_state_dict, DCP's set_state_dict) replaces the state dict, which is compared
-        self._events_only = events_only
-        self._params_seen = self._current_params()
-        self._kept = tensor_slots(self.optimizer)  # what the graphs read: never re-baselined
-        self._groups = hyperparameters(self.optimizer)
-        self._index_groups()
-        self._index_slots()
-
-    def _current_params(self) -> list[bool]:
-        return list(map(_requires_grad, self.params))
-
-    def _index_slots(self) -> None:
-        self._state = self.optimizer.state
-        self._slots = [
-            (state, key)
-            for state in self._state.values()
-            for key, value in state.items()
-            if isinstance(value, torch.Tensor)
-        ]
-        self._slot_dicts = [state for state, _ in self._slots]
-        self._slot_keys = [key for _, key in self._slots]
-        self._plain = not any(hasattr(state[key], "_local_tensor") for state, key in self._slots)
-        self._slot_pointers = self._current_slot_pointers()
-
-    def _index_groups(self) -> None:
-        """The param groups' plain values as flat lists, compared by identity on every call (the
-        values themselves only when an object differs: :func:`hyperparameters`)."""
-        groups = self.optimizer.param_groups
-        self._group_list = groups
-        self._group_dicts = list(groups)
-        self._group_sizes = list(map(len, groups))
-        items = [(g, k, v) for g in groups for k, v in g.items() if k not in ("params", "lr")]
-        self._value_dicts = [g for g, _, _ in items]
-        self._value_keys = [k for _, k, _ in items]
-        self._values = [v for _, _, v in items]
-
-    def _current_slot_pointers(self) -> list[int]:
-        if self._plain:
-            try:  # one C-level pass: no Python frame per state tensor
-                return list(
-                    map(_data_ptr, map(dict.__getitem__, self._slot_dicts, self._slot_keys))
-                )
-            except (KeyError, TypeError):
-                pass  # a slot deleted or no longer a tensor: the slow path below names it
-        return [address(state[key]) if key in state else -1 for state, key in self._slots]
-
-    def _groups_unchanged(self) -> bool:
-        groups = self.optimizer.param_groups
-        return (
-            groups is self._group_list
-            and all(map(is_, groups, self._group_dicts))
-            and list(map(len, groups)) == self._group_sizes
-            and all(map(is_, map(dict.get, self._value_dicts, self._value_keys), self._values))
-        )
-
-    def check(self) -> GuardFindings:
-        found = GuardFindings()
-        if self._events_only:
-            if self.optimizer.state is not self._state:
-                self._restore_optimizer(found)
-            self._check_groups(found)
-            return found
-        params = self._current_params()
-        if params != self._params_seen:
-            found.changes.append("a parameter's requires_grad changed")
-            found.recapture = True
-            found.trainable_changed = True
-        if (
-            self.optimizer.state is not self._state
-            or self._current_slot_pointers() != self._slot_pointers
-        ):
-            self._restore_optimizer(found)
-        self._check_groups(found)
-        return found
-
-    def _check_groups(self, found: GuardFindings) -> None:
-        if not self._groups_unchanged():
-            groups = hyperparameters(self.optimizer)
-            if groups != self._groups:
-                found.changes.append(describe_group_changes(self.optimizer, self._groups, groups))
-                found.recapture = True
-            else:  # new objects of equal values (a scheduler writing momentum): the new baseline
-                self._index_groups()
-
-    def _restore_optimizer(self, found: GuardFindings) -> None:
-        lost = restore_identities(self.optimizer, self._kept)
-        self._index_slots()
-        kept = {address(t) for t in self._kept.values()}
-        if lost:
-            found.changes.append(f"the optimizer's state was replaced ({', '.join(lost[:3])} lost)")
-            found.recapture = True
-        elif any(pointer not in kept for pointer in self._slot_pointers):
-            found.changes.append("the optimizer holds state tensors the graphs never saw")
-            found.recapture = True
-        else:
-            found.changes.append("optimizer state loaded: values copied into the captured tensors")
 
 
 def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:

@@ -1,644 +1,91 @@
-"""When the step is captured, replayed or run eagerly, and what happens when a capture fails.
+"""When a training call is captured, replayed or run eagerly: a pure decision over explicit state.
 
-Phases (one explicit state, :class:`~ddpgraph.step.report.Phase`): ``WARMUP`` runs eager steps
-(the warm-up rule of ``ddpgraph.facts``, at the wrapper's sample rate); then every rank captures
-and agrees that all succeeded, and ``GRAPHED`` replays, capturing one more graph per new input
-signature (``on_new_shape="capture"``) or module mode; ``EAGER`` for the reason in the report.
-Each graph is kept under a typed :class:`~ddpgraph.step.batch.GraphKey`.
+:func:`decide` reads a :class:`Plan` fixed at construction, the :class:`PolicyState` of the step
+(frozen: a change is a new state, made by the runner) and the facts of one :class:`Call`; it
+returns an :class:`Action` and changes nothing. No torch, no model: ``tests/test_policy.py``
+checks it from tables. :class:`~ddpgraph.step.runner.Runner` carries the action out.
 
-A capture that fails falls back to ``EAGER`` on every rank (the reason in
-``report().fallbacks``), naming a host sync seen in the last warm-up step as the likely cause.
-Before each replay the graphs' guard finds what a script changed: ``optimizer.load_state_dict``
-(copied into the tensors the graph reads), a param-group value or ``requires_grad`` (the
-training graphs are captured again, with a warning; a freeze or unfreeze also rebuilds the
-data-parallel wrapper over the new trainable set). Before every call, eager or graphed,
-:class:`~ddpgraph.step.follow.Follower` follows what a script or framework changed in the model
-since the last one (storage moved by ``model.to()``, a replaced ``forward``): the wrapper is
-rebuilt and every graph captured again, with a warning; a new ``nn.Parameter`` object the
-optimizer does not hold raises ``ConfigError``.
+Phases (:class:`Phase`): ``WARMUP`` runs eager steps (the warm-up rule of ``ddpgraph.facts``,
+at the wrapper's sample rate); then every rank captures and agrees that all succeeded, and
+``GRAPHED`` replays, capturing one more graph per new input signature
+(``on_new_shape="capture"``) or module mode; ``EAGER`` for the reason in the report; ``CLOSED``
+after ``close()``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections import Counter
-from collections.abc import Callable, Iterator
-from operator import attrgetter
-from typing import Any
+import enum
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
-import torch
-from torch import nn
-
-from .._log import get_logger
-from ..distributed import watchdog
-from ..errors import CaptureError
-from ..facts import DEFAULT_WARMUP
-from .batch import (
-    NO_BATCH,
-    Batch,
-    GraphKey,
-    Role,
-    Signature,
-    describe,
-    differences,
-)
-from .body import StepBody
-from .compiling import first_forward_failure
-from .follow import Follower
-from .graphs import (
-    CapturedGraph,
-    CaptureFailure,
-    Graphs,
-    Replayed,
-    on_stream,
-)
-from .options import StepOptions, warn_at_user_line
-from .parallel import DataParallel
-from .report import CaptureRecord, Phase, StepReport, mode_words
-from .syncs import record_host_syncs
-from .window import Window
-
-__all__ = ["CapturePolicy"]
-
-_training = attrgetter("training")
-_EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuDNN/cuBLAS set-up)
+__all__ = ["Action", "Call", "Phase", "Plan", "PolicyState", "decide"]
 
 
-class CapturePolicy:
-    """Runs each call of one TrainStep: eagerly, by capturing, or by replaying its graph.
+class Phase(enum.Enum):
+    """Where a TrainStep is: heading for a graph, graphed, eager for good, or closed."""
 
-    ``graphs`` is None where no graph can be captured (``fallback`` says why); ``rewrap`` builds
-    the wrapper again around the uncompiled module when ``compile`` fails.
-    """
-
-    def __init__(
-        self,
-        options: StepOptions,
-        body: StepBody,
-        graphs: Graphs | None,
-        *,
-        device: torch.device,
-        stream: torch.cuda.Stream | None,
-        submodules: list[nn.Module],
-        rewrap: Callable[[], DataParallel],
-        report: StepReport,
-    ) -> None:
-        self.options = options
-        self.body = body
-        self.graphs = graphs
-        self.device = device
-        self._stream = stream
-        self._submodules = submodules  # their modes key the graphs
-        self._rewrap = rewrap
-        self.report = report
-        self.phase = Phase.WARMUP
-        self.warmup = self._planned_warmup()
-        self.output: Any = None
-        self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
-        self.call_steps = 1  # training steps in the current call (step(data): up to K)
-        self.window = Window(options)  # accumulate_calls: where this call is in its window
-        self._compile_pending = bool(options.compile)  # compiled, not yet past its first forward
-        self._start = time.perf_counter()
-        self._eager_before_capture = 0  # eager steps the wrapper needs before the next capture
-        self._signatures: set[Signature] = set()  # every training signature ever captured
-        self._reference: Signature | None = None  # the signature on_new_shape compares against
-        self._sync_hint: str | None = None  # a host sync seen in warm-up: named if capture fails
-        self._eval_calls: Counter[GraphKey] = Counter()
-        self._trainable_changed = False  # the guard saw requires_grad change: follow_trainable
-        # what a script or framework changes in the model between calls
-        events_only = options.guard == "events"
-        if graphs is not None:
-            graphs.events_only = events_only
-        self.follower = Follower(
-            lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
-        )
-        # guard="events" while graphed: the submodules' modes re-read only when the model's own
-        # mode changed (model.train() / model.eval()); see StepOptions.guard
-        self._events_only = events_only
-        self._seen_modes: tuple[bool, ...] = ()
-
-    @property
-    def parallel(self) -> DataParallel:
-        return self.body.parallel
-
-    # ----------------------------------------------------------------- a training call
-    def train(
-        self, batch: Batch, steps: int, *, last: bool = False, window: int | None = None
-    ) -> torch.Tensor:
-        """One call, watched: ``steps`` training steps (``step(data)``) or one (micro-)step;
-        ``last`` ends an ``accumulate_calls`` window at this call (sync and update on what it
-        holds); ``window`` is the script's length of this call's window (its loss divisor)."""
-        self.call_steps = steps
-        self.parallel.before_call()  # FSDP2: undo the script's unshard() before its state is read
-        loss: torch.Tensor = self._watched(
-            self.watch_phase(), lambda: self._train_call(batch, last, window)
-        )
-        return loss
-
-    def _train_call(self, batch: Batch, last: bool, window: int | None) -> torch.Tensor:
-        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
-        starts = self.window.begin(batch, last, self.parallel.script_sync(), window)
-        self.body.divisor = self.window.divisor
-        self._follow_trainable()
-        if starts and not self.body.sync_every_call:
-            # a window starts as DDP's forward does: rank 0's buffers first; outside the graphs,
-            # so that one "micro" graph serves every other position of the window (with
-            # sync_every_call every call's graph starts with them)
-            with on_stream(self._stream):
-                self.parallel.sync_buffers()
-        role = self.window.role()
-        loss = self._train(batch, self._modes())
-        self.window.end(role)
-        # as DDP's post-forward sets require_forward_param_sync (an attribute: no call here)
-        body = self.body
-        body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
-        return loss
-
-    def update(self) -> None:
-        """``step.update()`` (``defer_update=True``), watched: the optimizer step on the window
-        the calls since the last update synced, with the param-group values (the LR) the script
-        set since; graphed once the window's training graphs are."""
-        self.parallel.before_call()
-        self._watched(self.watch_phase(), self._update)
-
-    def _update(self) -> None:
-        self.follower.before_call(training=True, graphed=self.phase is Phase.GRAPHED)
-        self.window.take_update()
-        self.parallel.buffers_due = True
-        key = GraphKey("update", self._modes(), NO_BATCH.signature)
-        if self.phase is Phase.GRAPHED and self._update_graphed(key):
-            return
-        with on_stream(self._stream):
-            if self.graphs is not None:
-                self.graphs.plan.sync_lr()  # the LR the script just set
-            self.body.update()
-        self.grad_norm = self.body.grad_norm
-        self.follower.settle_due = True
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
-
-    def _update_graphed(self, key: GraphKey) -> bool:
-        """Replay the update graph, capturing it first once the window's "sync" graph exists
-        (the update reads the gradients that graph writes); False: run it eagerly."""
-        graphs = self._graphs()
-        due = key not in graphs and key not in graphs.uncapturable and graphs.keys_of("sync")
-        if due and self._eager_before_capture == 0:
-            started = time.perf_counter()
-            result = graphs.capture(key, NO_BATCH, lambda _: self._updated())
-            if isinstance(result, CaptureFailure):
-                self.warn_or_raise(f"the optimizer update runs eagerly: {result.reason}")
-                return False
-            self._record_capture(key, started)
-        replayed = graphs.replay(key, NO_BATCH)
-        self._note_changes(replayed)
-        if not replayed.replayed:
-            return False
-        self.grad_norm = replayed.output
-        return True
-
-    def _updated(self) -> torch.Tensor | None:
-        self.body.update()
-        return self.body.grad_norm
-
-    def _follow_trainable(self) -> None:
-        """A script that froze or unfroze parameters (``requires_grad``): the wrapper rebuilt
-        over the new set and the training graphs dropped, so the step captures again after the
-        new wrapper's warm-up. Checked by the replay guard while graphed (no cost here), on
-        every call otherwise."""
-        if self.phase is Phase.GRAPHED and not self._trainable_changed:
-            return
-        self._trainable_changed = False
-        if not self.parallel.follow_trainable():
-            return
-        for param in self.parallel.inner.parameters():
-            if not param.requires_grad:
-                param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
-        if self.graphs is not None:
-            self.graphs.drop_training()
-            self.graphs.parameters_changed()
-        self.follower.settle_due = True
-        get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
-
-    def check_open(self, what: str) -> None:
-        if self.phase is Phase.CLOSED:
-            raise CaptureError(
-                f"{what} on a TrainStep after close(): its graphs and their memory are gone; "
-                "build a new TrainStep to keep training."
-            )
-
-    def close(self) -> None:
-        """Free every graph and the pool; later calls raise."""
-        if self.graphs is not None:
-            self.graphs.close()
-        self.output = self.grad_norm = None
-        self.phase = Phase.CLOSED
-
-    def _watched(self, phase: str, run: Callable[[], Any]) -> Any:
-        """``run()`` as a watched call: a hang in it becomes the watchdog's verdict."""
-        wd = watchdog.active()
-        if wd is None:
-            return run()
-        wd.enter(phase, self.report.steps)
-        try:
-            result = run()
-        except BaseException as exc:
-            wd.leave()
-            wd.on_error(exc)
-            raise
-        wd.leave()
-        return result
-
-    def _train(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
-        if self.phase is Phase.WARMUP and self._warmup_done():
-            return self._first_capture(batch, modes)
-        if self.phase is Phase.GRAPHED:
-            loss = self._replay_or_capture(batch, modes)
-            if loss is not None:
-                return loss
-        return self._eager(batch)
-
-    def watch_phase(self) -> str:
-        """The watchdog's name for this call (its heartbeat says where each rank is)."""
-        if self.phase is Phase.WARMUP:
-            return "capture" if self._warmup_done() else "warmup"
-        return "replay" if self.phase is Phase.GRAPHED else "eager"
-
-    def check_shape(self, batch: Batch) -> None:
-        """on_new_shape="error", on every device: the signature must stay the captured one."""
-        warmup_calls = self.warmup * self.options.accumulate_calls
-        if self.options.on_new_shape != "error" or self.report.steps <= warmup_calls:
-            return  # before the signature is built: this runs on every call
-        signature = batch.signature
-        if self._reference is None:
-            self._reference = signature
-        elif signature != self._reference:
-            # "its graph" only where there is one: on the CPU the step runs eagerly, and the
-            # check holds the batches to the first shape after warm-up all the same
-            graphed = self.graphs is not None
-            held = "its graph is for" if graphed else "it holds batches of"
-            raise ValueError(
-                f"TrainStep(on_new_shape='error') got a batch of {describe(signature)}, but "
-                f"{held} {describe(self._reference)} (the first after warm-up; changed: "
-                f"{differences(signature, self._reference, known_as='captured' if graphed else 'was')}"
-                "); pad batches to one shape "
-                "(ddpgraph.pad_batch, drop_last=True), or pass on_new_shape='eager' or 'capture'."
-            )
-
-    def _warmup_done(self) -> bool:
-        """Warm-up counts optimizer steps; with accumulate_calls it ends at a window's start."""
-        calls = self.warmup * self.options.accumulate_calls
-        return (
-            self.report.eager_steps >= calls
-            and self.window.micro_batches == 0
-            and self.parallel.allows_capture(self.call_steps)
-        )
-
-    def _modes(self) -> tuple[bool, ...]:
-        """Every submodule's ``training`` flag: part of each graph's key."""
-        submodules = self._submodules
-        seen = self._seen_modes
-        if (
-            self._events_only
-            and self.phase is Phase.GRAPHED
-            and seen[:1] == (submodules[0].training,)
-        ):
-            return seen
-        self._seen_modes = modes = tuple(map(_training, submodules))  # C-level: no frame each
-        return modes
-
-    def _key(self, batch: Batch, modes: tuple[bool, ...]) -> GraphKey:
-        return GraphKey(self.window.role(), modes, batch.signature, self.body.divisor)
-
-    # ----------------------------------------------------------------- capture
-    def _first_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor:
-        """Capture on every rank, then agree; every rank replays, or every rank runs eagerly.
-
-        Ranks that disagreed (one's capture failed) would otherwise carry on with a graph on some
-        ranks and a failed step on others; and with graph="always" every rank raises, not only
-        the one that failed. Every rank reaches this call at the same step (the warm-up length is
-        the same everywhere). Costs one tiny all-reduce, once per run.
-        """
-        key = self._key(batch, modes)
-        started = time.perf_counter()
-        result = self._capture(key, batch)
-        ok, any_dirty = self.parallel.agree(
-            isinstance(result, CapturedGraph), self.parallel.dirty()
-        )
-        if ok:
-            if any_dirty:
-                self._reset_wrapper("")
-        else:
-            mine = (
-                self._explain_failure(result.reason) if isinstance(result, CaptureFailure) else None
-            )
-            reason = _every_failure(self.parallel.failures_of_every_rank(mine))
-            if any_dirty:
-                self._reset_wrapper(reason)  # on every rank: DDP's bucket rebuild is collective
-            self._graphs().drop_training()
-            self.enter_eager(reason)
-            return self._eager(batch)
-        self.phase = Phase.GRAPHED
-        self._record_capture(key, started)
-        loss = self._replay(key, batch)
-        assert loss is not None
-        self.report.time_to_first_replay = time.perf_counter() - self._start
-        return loss
-
-    def _replay_or_capture(self, batch: Batch, modes: tuple[bool, ...]) -> torch.Tensor | None:
-        """Replay the graph of this key, capturing it first if the policy says so.
-
-        A later capture needs no agreement: capturing runs nothing, and a graph's all-reduces
-        pair with a peer's eager ones like eager ones do (same buckets, same order).
-        """
-        key = self._key(batch, modes)
-        loss = self._replay(key, batch)
-        if loss is not None or not self._should_capture(key):
-            return loss
-        started = time.perf_counter()
-        result = self._capture(key, batch)
-        if isinstance(result, CaptureFailure):
-            reason = self._explain_failure(result.reason)
-            if self.parallel.dirty():
-                with _naming_the_failure(reason):
-                    self.parallel.check_reset_alone()  # no agreement: peers may be replaying
-                self._reset_wrapper(reason)
-            self.warn_or_raise(
-                f"the batch of {describe(batch.signature)}{mode_words(modes)} runs eagerly: "
-                f"{reason}"
-            )
-            return None
-        self._record_capture(key, started)
-        return self._replay(key, batch)
-
-    def _should_capture(self, key: GraphKey) -> bool:
-        graphs = self._graphs()
-        if key in graphs.uncapturable or not self.parallel.allows_capture(self.call_steps):
-            return False
-        if self._eager_before_capture > 0:
-            return False
-        # a new mode of a captured shape is always captured; a new shape as the policy says
-        return key.signature in self._signatures or self.options.on_new_shape == "capture"
-
-    def _capture(self, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
-        """Capture the step for this key on the device copy of ``batch``."""
-        self.follower.settle_due = True
-        found = self.parallel.before_capture()  # e.g. an earlier loss's graph still alive
-        if found is not None:
-            warn_at_user_line(f"TrainStep: {found}")
-        device_batch = self.to_device(batch)
-        result = self._graphs().capture(key, device_batch, lambda b: self._captured(b, key.role))
-        if self.body.syncs(key.role):
-            self.parallel.count_forwards(self.call_steps)  # its host code ran once per step
-        return result
-
-    def _captured(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-        loss, output = self.body.run(batch, role)
-        return loss, _detached(output), self.body.grad_norm
-
-    def _record_capture(self, key: GraphKey, started: float) -> None:
-        seconds = time.perf_counter() - started
-        if key.trains:
-            self._signatures.add(key.signature)
-        words = mode_words(key.modes) if key.trains else ""
-        self.report.captures.append(
-            CaptureRecord(key.signature, self.report.steps, seconds, key.role + words)
-        )
-        get_logger().info(
-            "TrainStep captured %s%s %s in %.0f ms",
-            key.role,
-            words,
-            describe(key.signature),
-            seconds * 1e3,
-        )
-
-    def _explain_failure(self, reason: str) -> str:
-        wrapper = self.parallel.explain_capture_failure(reason)
-        if wrapper is not None:
-            return f"{reason}\ncause: {wrapper}"
-        if self._sync_hint is None:
-            return reason
-        return f"{reason}\nlikely cause, seen in warm-up: {self._sync_hint}"
-
-    def _reset_wrapper(self, reason: str) -> None:
-        """After a backward that never finished: the wrapper reset (it may rebuild what the
-        training graphs read, so they go) and two eager steps before the next capture. A reset
-        that cannot be done raises with the capture's own failure (``reason``) named."""
-        with _naming_the_failure(reason):
-            self.parallel.reset()
-        self._graphs().drop_training()
-        self._eager_before_capture = 2
-
-    def _graphs(self) -> Graphs:
-        assert self.graphs is not None  # only the graphed phases get here
-        return self.graphs
-
-    # ----------------------------------------------------------------- replay and eager
-    def _replay(self, key: GraphKey, batch: Batch) -> torch.Tensor | None:
-        """Replay ``key``'s graph (the one call into the graphs per replayed step); None when
-        it has none, or when what the script changed asks for a re-capture."""
-        replayed = self._graphs().replay(key, batch)
-        self._note_changes(replayed)
-        self._follow_trainable()
-        if not replayed.replayed:
-            return None
-        loss: torch.Tensor
-        loss, self.output, self.grad_norm = replayed.output
-        self.report.replays += 1
-        # a copy the script may keep (as an eager step's): the next replay overwrites the graph's
-        # own, and scripts append losses to a list and average them at the end of a window
-        return loss.clone()
-
-    def _note_changes(self, replayed: Replayed) -> None:
-        news = replayed.findings.changes
-        if replayed.findings.trainable_changed:
-            # followed by the next training call (or this one, in _replay): never inside an
-            # evaluation, which may be rank-local while rebuilding the wrapper is a collective
-            self._trainable_changed = True
-        if replayed.findings.recapture:
-            dropped = replayed.findings.dropped
-            warn_at_user_line(
-                f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
-            )
-            self.report.recaptures.extend(news)
-        elif news:
-            get_logger().info("TrainStep: %s", "; ".join(news))
-
-    def _eager(self, batch: Batch) -> torch.Tensor:
-        self.follower.settle_due = True
-        n = self.call_steps
-        self.report.eager_steps += n
-        warming_up = self.phase is Phase.WARMUP
-        if warming_up:
-            self.report.warmup_steps += n
-        role = self.window.role()
-        last_warmup = self.warmup * self.options.accumulate_calls
-        check_syncs = (
-            warming_up
-            and self.report.eager_steps - n < last_warmup <= self.report.eager_steps
-            and self.device.type == "cuda"
-        )
-        with on_stream(self._stream):
-            batch = self.to_device(batch)
-            if self.graphs is not None:
-                self.graphs.plan.sync_lr()
-            if self._compile_pending:
-                loss, output = self._first_compiled_step(batch, role)
-            elif check_syncs:
-                syncs = record_host_syncs(lambda: self.body.run(batch, role))
-                loss, output = syncs.result
-                if syncs.found:
-                    self._sync_hint = syncs.describe()
-            else:
-                loss, output = self.body.run(batch, role)
-        if self.body.syncs(role):
-            self.parallel.count_forwards(n)
-        self._eager_before_capture = max(0, self._eager_before_capture - n)
-        self.output = _detached(output)
-        self.grad_norm = self.body.grad_norm
-        return loss
-
-    def to_device(self, batch: Batch) -> Batch:
-        return batch.to(self.device, channels_last=self.options.channels_last)
-
-    # ----------------------------------------------------------------- compile
-    def _first_compiled_step(self, batch: Batch, role: Role) -> tuple[torch.Tensor, Any]:
-        """Compile first, outside the wrapper, then agree: every rank runs compiled, or every
-        rank plain.
-
-        Building DDP is a collective, so a rank falling back alone would leave the ranks in
-        different collectives; and inside DDP's forward a failing rank would already have joined
-        the buffer broadcast. So the compiling forward runs on the compiled module itself (no
-        DDP, no backward), with the RNG forked and the buffers put back: training sees no extra
-        step. Then one tiny all-reduce decides, and every rank rebuilds the wrapper if any rank
-        failed.
-        """
-        self._compile_pending = False
-        failure = first_forward_failure(self.body, batch, self.device)
-        ok, _ = self.parallel.agree(failure is None, False)
-        if not ok:
-            reason = _every_failure(self.parallel.failures_of_every_rank(failure), "compile")
-            self.warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
-            self.body.parallel = self._rewrap()
-            if self.graphs is not None:
-                self.graphs.parameters_changed()
-        return self.body.run(batch, role)
-
-    # ----------------------------------------------------------------- evaluation
-    def evaluate(self, batch: Batch) -> Any:
-        """The forward in eval mode, graphed after ``_EVAL_WARMUP`` eager calls per signature,
-        watched; every module's own mode restored after it."""
-        self.parallel.before_call()
-        with self._eval_mode():
-            output = self._watched("eval", lambda: self._evaluate(batch))
-        self.follower.settle(graphed=self.phase is Phase.GRAPHED)
-        return output
-
-    @contextlib.contextmanager
-    def _eval_mode(self) -> Iterator[None]:
-        modes = tuple(map(_training, self._submodules))  # as they are: restored after
-        for module in self._submodules:
-            module.training = False
-        try:
-            yield
-        finally:
-            for module, training in zip(self._submodules, modes):
-                module.training = training
-
-    def _evaluate(self, batch: Batch) -> Any:
-        key = GraphKey("eval", (False,) * len(self._submodules), batch.signature)
-        self.follower.before_call(training=False, graphed=self.phase is Phase.GRAPHED)
-        self.window.warn_if_open("evaluate()")
-        if self.parallel.buffers_due:
-            # DDP's eval forward after a training step starts with rank 0's buffers (later ones
-            # do not: its no_grad forward turns that off until the next training forward)
-            self.parallel.buffers_due = False
-            with on_stream(self._stream):
-                self.parallel.sync_buffers()
-        if self.graphs is not None and key not in self.graphs and self._eval_capture_due(key):
-            self._capture_eval(key, batch)
-        if self.graphs is not None and key in self.graphs:
-            replayed = self.graphs.replay(key, batch)
-            self._note_changes(replayed)
-            if replayed.replayed:
-                self.report.eval_replays += 1
-                return replayed.output
-        self.follower.settle_due = True
-        with on_stream(self._stream):
-            return self.body.forward_eval(self.to_device(batch))
-
-    def _eval_capture_due(self, key: GraphKey) -> bool:
-        if self.options.graph == "never" or key in self._graphs().uncapturable:
-            return False
-        self._eval_calls[key] += 1
-        return self._eval_calls[key] > _EVAL_WARMUP
-
-    def _capture_eval(self, key: GraphKey, batch: Batch) -> None:
-        started = time.perf_counter()
-        result = self._graphs().capture(key, self.to_device(batch), self.body.forward_eval)
-        if isinstance(result, CaptureFailure):
-            self.warn_or_raise(
-                f"evaluation of {describe(batch.signature)} runs eagerly: {result.reason}"
-            )
-            return
-        self._record_capture(key, started)
-
-    # ----------------------------------------------------------------- plan and exits
-    def _planned_warmup(self) -> int:
-        steps = self.options.warmup or DEFAULT_WARMUP
-        allows = self.parallel.count_allows_capture
-        # one more step whose syncs are recorded, then capture at a count DDP does not time
-        while not (allows(steps) and allows(steps - 1)):
-            steps += 1
-        return steps
-
-    def enter_eager(self, reason: str, *, warn: bool = True) -> None:
-        """Leave the graphed path for good: raise under graph='always', else warn once."""
-        self.phase = Phase.EAGER
-        self.body.set_to_none = True
-        if self.options.graph == "never":
-            return
-        if self.options.graph == "always":
-            raise CaptureError(f"TrainStep(graph='always') cannot capture: {reason}.")
-        if warn:
-            warn_at_user_line(f"TrainStep runs eagerly: {reason}")
-        self.report.fallbacks.append(reason)
-
-    def warn_or_raise(self, message: str) -> None:
-        if self.options.graph == "always":
-            raise CaptureError(message)
-        warn_at_user_line(f"TrainStep continues eagerly; {message}")
-        self.report.fallbacks.append(message)
+    WARMUP = "warmup"
+    GRAPHED = "graphed"
+    EAGER = "eager"
+    CLOSED = "closed"
 
 
-@contextlib.contextmanager
-def _naming_the_failure(reason: str) -> Iterator[None]:
-    """A CaptureError raised while recovering from a failed capture carries that failure: the
-    original error, its file:line and explain()'s causes."""
-    try:
-        yield
-    except CaptureError as exc:
-        if not reason:
-            raise
-        raise CaptureError(f"{exc}\nThe capture that failed: {reason}") from exc
+class Action(enum.Enum):
+    """What a training call does."""
+
+    REPLAY = "replay"  # the key's graph exists
+    FIRST_CAPTURE = "first capture"  # the warm-up is done: capture on every rank, then agree
+    CAPTURE = "capture"  # graphed, a new key: capture it (no agreement), then replay
+    EAGER = "eager"
 
 
-def _every_failure(failures: list[str | None], could_not: str = "capture its step") -> str:
-    """The reason every rank reports when a capture (or compile) failed on some: each failing
-    rank's own cause (one line per rank; a single process's is its cause as it is)."""
-    if len(failures) == 1:
-        return failures[0] or f"could not {could_not}"
-    failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
-    if not failed:  # agree() said one failed, yet none says so: name that, not nothing
-        return f"a rank could not {could_not} and reported no cause"
-    return "\n".join(f"rank {rank} could not {could_not}: {text}" for rank, text in failed)
+@dataclass(frozen=True)
+class Plan:
+    """What the options fix at construction."""
+
+    warmup_calls: int  # warm-up optimizer steps x accumulate_calls: eager calls before capture
+    on_new_shape: str  # "eager", "capture" or "error" (refused before the decision)
 
 
-def _detached(output: Any) -> Any:
-    """The model output without its autograd graph (kept as ``step.output`` after backward)."""
-    try:
-        from torch.utils._pytree import tree_map_only
+@dataclass(frozen=True)
+class PolicyState:
+    """The step's decision state; frozen (the runner makes a new one on each change)."""
 
-        return tree_map_only(torch.Tensor, lambda t: t.detach(), output)
-    except Exception:  # an output type pytree cannot rebuild: keep it as it is
-        return output
+    phase: Phase = Phase.WARMUP
+    hold_off: int = 0  # eager steps the wrapper needs before the next capture (after a reset)
+    signatures: frozenset[Hashable] = field(default_factory=frozenset)  # every one captured
+
+
+class Call(NamedTuple):
+    """The facts of one training call. ``ready()`` is the wrapper's answer to "may the next
+    forwards be captured?" (the warm-up rule at its sample rate; FSDP2 raises naming what is
+    pending when it is not idle): asked only where a capture would follow, as the rule says."""
+
+    signature: Hashable
+    has_graph: bool  # the engine holds this call's key
+    uncapturable: bool  # a capture of this key failed before
+    eager_steps: int  # eager training steps so far
+    window_open: bool  # accumulate_calls: micro-batches taken since the last update
+    ready: Callable[[], bool]
+
+
+def decide(plan: Plan, state: PolicyState, call: Call) -> Action:
+    """The action of one training call (pure: reads its arguments, changes nothing)."""
+    if state.phase is Phase.GRAPHED:
+        if call.has_graph:
+            return Action.REPLAY
+        if call.uncapturable or not call.ready() or state.hold_off > 0:
+            return Action.EAGER
+        # a new mode of a captured shape is always captured; a new shape as the option says
+        if call.signature in state.signatures or plan.on_new_shape == "capture":
+            return Action.CAPTURE
+        return Action.EAGER
+    if (
+        state.phase is Phase.WARMUP
+        and call.eager_steps >= plan.warmup_calls
+        and not call.window_open
+        and call.ready()
+    ):
+        return Action.FIRST_CAPTURE
+    return Action.EAGER

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from .batch import Signature, describe
+from .policy import Phase
 
 __all__ = ["CaptureRecord", "Phase", "StepReport", "mode_words"]
-
-
-class Phase(enum.Enum):
-    """Where a TrainStep is: heading for a capture, replaying graphs, or eager for a reason."""
-
-    WARMUP = "warmup"
-    GRAPHED = "graphed"
-    EAGER = "eager"
-    CLOSED = "closed"
 
 
 @dataclass

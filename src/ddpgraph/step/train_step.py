@@ -2,7 +2,7 @@
 
 A thin front over named parts: the options (:mod:`.options`), the step body (:mod:`.body`) with
 its precision (:mod:`.precision`) and data-parallel wrapper (:mod:`.parallel`), the capture
-policy (:mod:`.policy`), the graphs (:mod:`.graphs`) and the ``step(data)`` feed (:mod:`.feed`).
+policy (:mod:`.policy`: a pure decision) and its runner (:mod:`.runner`), the graphs (:mod:`.graphs`) and the ``step(data)`` feed (:mod:`.feed`).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from .options import (
     model_device,
 )
 from .parallel import ParallelMode, unwrap, wrap
-from .policy import CapturePolicy
 from .precision import precision_for
 from .report import Phase, StepReport
+from .runner import Runner
 
 __all__ = ["TrainStep"]
 
@@ -64,7 +64,7 @@ class TrainStep(FromFrameworks):
     overwrites them; ``.clone()`` keeps a value.
 
     Phases (:attr:`phase`: warm-up, graphed, eager for a stated reason, closed), what is checked
-    before each replay and what is re-captured: :mod:`ddpgraph.step.policy`. :meth:`evaluate` runs
+    before each call and what is re-captured: :mod:`ddpgraph.step.runner`. :meth:`evaluate` runs
     the forward only, graphed after its own warm-up.
 
     Options (keyword-only, validated here; each documented on
@@ -135,12 +135,12 @@ class TrainStep(FromFrameworks):
         graphs = build_graphs(
             engine, options, device, self._body.parallel, self._parameters, optimizer
         )
-        self._policy = CapturePolicy(
+        self._runner = Runner(
             options, self._body, graphs if isinstance(graphs, Graphs) else None,
             device=device, stream=stream, submodules=list(model.modules()),
             rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=self._report,
         )  # fmt: skip
-        on_epoch_end(self._policy.window.warn_at_epoch_end)
+        on_epoch_end(self._runner.window.warn_at_epoch_end)
         lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
         self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
         self._body.feed = self._feed
@@ -150,8 +150,11 @@ class TrainStep(FromFrameworks):
         if isinstance(graphs, Graphs) and stream is not None:
             graphs.register_replay_hook(watchdog.replay_hook(self._report))
         if isinstance(graphs, str):
-            self._policy.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
+            self._runner.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
         self._report.mode = self.mode
+        # what __call__ tests as attributes (fixed at construction)
+        self._data_only = steps_per_replay > 1  # step(x, y) refused: step(data) only
+        self._shape_rule = on_new_shape == "error"
 
     # ----------------------------------------------------------------- public
     @property
@@ -162,7 +165,7 @@ class TrainStep(FromFrameworks):
     @property
     def output(self) -> Any:
         """The model's output of the latest step (graph-owned once captured)."""
-        return self._policy.output
+        return self._runner.output
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
@@ -170,16 +173,16 @@ class TrainStep(FromFrameworks):
         returns it in an eager loop: a 0-dim device tensor (``[k]`` for a ``step(data)`` call of
         k steps), graph-owned like the loss; None after a call that did not step the optimizer
         (an ``accumulate_calls`` micro-batch) or without ``clip_grad_norm`` and ``grad_norm``."""
-        return self._policy.grad_norm
+        return self._runner.grad_norm
 
     @property
     def phase(self) -> Phase:
-        return self._policy.phase
+        return self._runner.phase
 
     @property
     def mode(self) -> str:
         """ "graphed" once a graph exists, "warmup" while heading for one, else "eager"."""
-        return self._policy.phase.value
+        return self._runner.phase.value
 
     @property
     def loss_scale(self) -> torch.Tensor | None:
@@ -216,7 +219,10 @@ class TrainStep(FromFrameworks):
         ``window=n`` (1 <= n <= k, the same on each call of a window) says this window has n
         micro-batches, each dividing its loss by n, as timm's ``train.py`` divides an epoch's
         short last window (``step(x, y, window=accum_steps)``)."""
-        self._policy.check_open("step()")
+        # attribute tests only: a helper is called where there is something to check or say
+        policy = self._runner
+        if policy.state.phase is Phase.CLOSED:
+            policy.check_open("step()")
         if len(args) == 1 and isinstance(args[0], DeviceData):
             if window is not None or last:
                 raise ConfigError(
@@ -224,24 +230,28 @@ class TrainStep(FromFrameworks):
                     "(steps_per_replay), no accumulate_calls window; drop them."
                 )
             return self._run_data(args[0], steps)
-        self._feed.check_batch_call(steps)
+        if steps is not None or self._data_only:
+            self._feed.check_batch_call(steps)
         batch = make_batch(args, min_positional=1 if self.loss_fn is None else 2)
         self._report.steps += 1
-        self._policy.check_shape(batch)
+        if self._shape_rule:
+            policy.check_shape(batch)
         if self.loop_syncs is not None:  # a framework's loop state (Accelerate's) has a say
-            last = self._loop_ends_window(self._policy.window, last, self._body.parallel)
+            last = self._loop_ends_window(policy.window, last, self._body.parallel)
         try:  # no frame of its own: this is the replayed path
-            loss = self._policy.train(batch, 1, last=bool(last), window=window)
+            loss = policy.train(batch, 1, last=bool(last), window=window)
         except RuntimeError as exc:
             _raise_if_peer_gone(exc, self._report.steps)
             raise
-        return self._checked(loss)
+        if self._finite is not None:
+            self._finite.check()
+        return loss
 
     def update(self) -> None:
         """``defer_update=True``: the optimizer step on the synced window, in place of the script's
         ``optimizer.step()``, with the LR the script set since. On every rank, once per window."""
-        self._policy.check_open("update()")
-        self._policy.update()
+        self._runner.check_open("update()")
+        self._runner.update()
         if self._finite is not None:
             self._finite.check()
 
@@ -256,10 +266,10 @@ class TrainStep(FromFrameworks):
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
         n = self._feed.steps_of(data, steps)
-        self._policy.check_shape(self._feed.full_batch(data))
+        self._runner.check_shape(self._feed.full_batch(data))
         with self._feed.call(data, n, self._report) as batch:
             try:
-                loss = self._policy.train(batch, n)
+                loss = self._runner.train(batch, n)
             except RuntimeError as exc:
                 _raise_if_peer_gone(exc, self._report.steps)
                 raise
@@ -275,21 +285,21 @@ class TrainStep(FromFrameworks):
         signature and replayed; the output is then graph-owned like the loss. Every module's own
         mode is restored when this returns.
         """
-        self._policy.check_open("evaluate()")
+        self._runner.check_open("evaluate()")
         batch = make_batch(args, min_positional=1)
         self._report.evaluations += 1
-        return self._policy.evaluate(batch)
+        return self._runner.evaluate(batch)
 
     def close(self) -> None:
         """Free every captured graph and their memory pool; later calls raise. Call on every
         rank; follow with ``torch.cuda.empty_cache()`` to hand the memory back to the driver."""
-        self._policy.close()
+        self._runner.close()
         self._feed.close()
 
     def bare_graph(self) -> torch.cuda.CUDAGraph | None:
         """The first training graph of a batch of tensors, for benchmarks that time a bare
         replay; None if none."""
-        graphs = self._policy.graphs
+        graphs = self._runner.graphs
         return None if graphs is None else graphs.bare_graph()
 
     # ----------------------------------------------------------------- state
@@ -326,7 +336,7 @@ class TrainStep(FromFrameworks):
     def extra_state(self) -> dict[str, Any]:
         """What the TrainStep holds besides model, optimizer and scheduler (the step count;
         fp16's loss scale): what :func:`ddpgraph.save_checkpoint` saves of it."""
-        self._policy.window.check_closed("state_dict()")
+        self._runner.window.check_closed("state_dict()")
         state: dict[str, Any] = {"steps": self._report.steps}
         scaler = self._precision.state_dict()
         if scaler is not None:
@@ -337,8 +347,8 @@ class TrainStep(FromFrameworks):
         """Take back :meth:`extra_state`'s values after model, optimizer and scheduler were
         loaded in place (by :meth:`load_state_dict` or a checkpoint): the graphs re-read the
         optimizer's LR tensors, the feed the scheduler's count. Call on every rank."""
-        if self._policy.graphs is not None:
-            self._policy.graphs.make_optimizer_safe_again()
+        if self._runner.graphs is not None:
+            self._runner.graphs.make_optimizer_safe_again()
         self._feed.loaded()
         if "scaler" in state:
             self._precision.load_state_dict(state["scaler"])

@@ -28,6 +28,9 @@ class Window:
     def __init__(self, options: StepOptions) -> None:
         self.calls = options.accumulate_calls
         self.defer_update = options.defer_update
+        # accumulate_calls=1 without defer_update: every call is a whole window ("train"), so a
+        # call without window= consults nothing here but the script's sync control
+        self.plain = self.calls == 1 and not self.defer_update
         self.micro_batches = 0  # micro-batches taken since the last update
         self.update_due = False  # defer_update: a synced window waits for step.update()
         self._ends_early = False  # this call ends its window early

@@ -67,6 +67,9 @@ class DataParallel:
         The caller drops the training graphs (they read the old wrapper)."""
         return False
 
+    # whether before_call() does anything (FSDP2): the replayed path calls it only then
+    checks_before_call = False
+
     def before_call(self) -> None:
         """At the start of every call, before anything runs or is checked: put back in place
         what the script's own use of the wrapper between calls left (FSDP2: parameters it

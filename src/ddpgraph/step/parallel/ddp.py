@@ -153,7 +153,8 @@ class DDP(DataParallel):
             return False
         if self._script_off:
             return True
-        return super().script_sync()
+        flag = self.inner.__dict__.get("require_backward_grad_sync")  # as the base's, inline
+        return None if flag is None else bool(flag)
 
     # ----------------------------------------------------------------- capture preconditions
     def count_forwards(self, n: int) -> None:

@@ -115,6 +115,8 @@ class FSDP2(DataParallel):
             group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
 
     # ----------------------------------------------------------------- between calls
+    checks_before_call = True
+
     def before_call(self) -> None:
         """Every call starts from FSDP2's idle, sharded state: a graph captured its all-gathers
         from there, and a module left unsharded registers its unsharded parameters in place of
