@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .framework_workers import graph_safe_optimizer
+from .framework_workers import graph_safe_arithmetic, graph_safe_optimizer
 
 
 def gpt2_data(n: int = 128, length: int = 16, vocab: int = 100, seed: int = 3) -> list[dict]:
@@ -53,11 +53,33 @@ def trainer_args(output_dir: str, **overrides: Any) -> Any:
     return transformers.TrainingArguments(**options)
 
 
+def with_graph_safe_arithmetic(trainer_class: Any) -> Any:
+    """``trainer_class`` whose optimizer steps with a graphed step's arithmetic
+    (:func:`~.framework_workers.graph_safe_arithmetic`): the Trainer's own run, loop and
+    optimizer, that a graphed run on the CPU engine equals to the bit."""
+
+    class GraphSafeArithmetic(trainer_class):  # type: ignore[misc, valid-type]
+        def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+            optimizer = super().create_optimizer(*args, **kwargs)
+            real = optimizer
+            while hasattr(real, "optimizer"):
+                real = real.optimizer
+            graph_safe_arithmetic(real)
+            return optimizer
+
+    return GraphSafeArithmetic
+
+
 def run_trainer(
-    output_dir: str, graphed: bool, resume: str | None = None, rows: int = 128, **overrides: Any
+    output_dir: str,
+    graphed: bool,
+    resume: str | None = None,
+    rows: int = 128,
+    safe: bool = True,
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """Train the tiny GPT-2 with the plain Trainer or GraphTrainer; what they logged and ended
-    with."""
+    """Train the tiny GPT-2 with the plain Trainer (``safe``: its optimizer with the graphed
+    step's arithmetic) or GraphTrainer; what they logged and ended with."""
     import transformers
 
     from ddpgraph.testing import CpuGraphs
@@ -68,6 +90,8 @@ def run_trainer(
         from ddpgraph.integrations.transformers import GraphTrainer
 
         trainer = GraphTrainer(**common, step_options={"engine": CpuGraphs()})
+    elif safe:
+        trainer = with_graph_safe_arithmetic(transformers.Trainer)(**common)
     else:
         trainer = transformers.Trainer(**common)
     trainer.train(resume_from_checkpoint=resume)

@@ -23,16 +23,14 @@ pytestmark = pytest.mark.timeout(600)
 
 RUN_S = 540  # one Trainer run of 20 steps on 2 ranks, on a loaded 2-core machine
 
-# issue 47: on the CPU engine GraphTrainer steps the optimizer as on CUDA (capturable, the LR a
-# float32 tensor); the plain Trainer here keeps its own, so the runs part in the last bits (grad
-# norm 6e-8 apart at step 7). Equal on the H100 (the receipt). The reference needs the graph's
-# arithmetic, as tests/trl_workers.graph_safe_arithmetic gives SFT's: not done yet.
-ARITHMETIC = "the plain Trainer's reference does not step the graph-safe optimizer yet"
-
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps."""
+    """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps. Its optimizer steps
+    with the graphed step's arithmetic (capturable, foreach, the LR a float32 tensor:
+    integration_workers.with_graph_safe_arithmetic), as the CPU engine steps it as on CUDA; with
+    the Trainer's default arithmetic the runs part in the last bits (grad norm 6e-8 apart at
+    step 7), and are equal on the H100 (the GPU receipt)."""
     out = tmp_path_factory.mktemp("plain")
     return out, run_distributed(workers.run_trainer, 2, args=(str(out), False), timeout=RUN_S)
 
@@ -53,10 +51,6 @@ def _same(ours, theirs):
         assert torch.equal(ours["params"][name], value), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=ARITHMETIC,
-)
 def test_graph_trainer_trains_bit_for_bit_as_the_trainer(plain, tmp_path):
     _, theirs = plain
     ours = run_distributed(workers.run_trainer, 2, args=(str(tmp_path), True), timeout=RUN_S)
@@ -70,10 +64,6 @@ def test_graph_trainer_trains_bit_for_bit_as_the_trainer(plain, tmp_path):
     assert "num_items_in_batch: () float32" in report  # a graph input, not a constant
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=ARITHMETIC,
-)
 def test_resume_from_the_trainers_own_checkpoint_is_exact(plain, tmp_path):
     out, theirs = plain
     checkpoint = str(out / "checkpoint-4")
