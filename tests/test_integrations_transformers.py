@@ -7,6 +7,7 @@ resume from the Trainer's own checkpoint lands where the Trainer's run does. The
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -131,15 +132,108 @@ def test_step_options_reach_graph_trainer_in_either_class_order(tmp_path, fresh_
         Last(workers.tiny_gpt2(), args, step_options={"amp": "bf16"})
 
 
-def test_the_trainers_own_fsdp_set_up_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+# ---------------------------------------------------------------- the Trainer's own FSDP2
+# TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}): Accelerate shards the
+# blocks, embeddings and head with fully_shard (integration_workers.fsdp2_on_the_cpu gives the
+# CPU the Accelerator it builds on CUDA); checkpoints as DCP shards (SHARDED_STATE_DICT)
+SHARDED = [
+    "",
+    "transformer.wte",
+    "transformer.h.0",
+    "transformer.h.1",
+    "transformer.ln_f",
+    "lm_head",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_fsdp2(tmp_path_factory):
+    """The Trainer's own FSDP2 run (its optimizer stepping the graphed arithmetic, its FSDP2
+    clipping with foreach as on CUDA), checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("plain_fsdp2")
+    return out, run_distributed(workers.run_fsdp2_trainer, 2, args=(str(out), False), timeout=RUN_S)
+
+
+@pytest.fixture(scope="module")
+def graphed_fsdp2(tmp_path_factory):
+    """GraphTrainer with the same TrainingArguments, checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("graphed_fsdp2")
+    return out, run_distributed(workers.run_fsdp2_trainer, 2, args=(str(out), True), timeout=RUN_S)
+
+
+def _close(ours, theirs):
+    """Equal steps and learning rates; losses, grad norms and parameters within the last bits
+    (measured: gradients 1 ulp apart from the first eager window, parameters 1e-8 after 12)."""
+    assert [e["step"] for e in ours["logs"]] == [e["step"] for e in theirs["logs"]]
+    assert [e["learning_rate"] for e in ours["logs"]] == [
+        e["learning_rate"] for e in theirs["logs"]
+    ]
+    for key in ("loss", "grad_norm"):
+        mine, plain = [e[key] for e in ours["logs"]], [e[key] for e in theirs["logs"]]
+        assert mine == pytest.approx(plain, rel=1e-5), key
+    for name, value in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_trainers_own_fsdp2_is_graphed_and_trains_as_the_trainer(plain_fsdp2, graphed_fsdp2):
+    (_, theirs), (_, ours) = plain_fsdp2, graphed_fsdp2
+    for rank in range(2):
+        assert theirs[rank]["sharded"] == SHARDED and ours[rank]["sharded"] == SHARDED
+        _close(ours[rank], theirs[rank])
+    report = ours[0]["report"]
+    assert "mode=graphed" in report and "replays=16" in report, report  # 40 calls, 24 warm-up
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the gradients of GraphTrainer's eager FSDP2 steps are 1 ulp apart from the "
+    "Trainer's from the first window (3.7e-9 at update 1, no clipping, same optimizer flags, "
+    "dropout and data); cause not found yet",
+)
+def test_the_trainers_own_fsdp2_graphed_is_bit_for_bit(plain_fsdp2, graphed_fsdp2):
+    (_, theirs), (_, ours) = plain_fsdp2, graphed_fsdp2
+    for rank in range(2):
+        _same(ours[rank], theirs[rank])
+
+
+def test_graph_trainer_resumes_the_trainers_own_fsdp2_checkpoint(plain_fsdp2, tmp_path):
+    out, theirs = plain_fsdp2
+    checkpoint = str(out / "checkpoint-4")  # DCP shards of the model and optimizer, saved by it
+    ours = run_distributed(
+        workers.run_fsdp2_trainer, 2, args=(str(tmp_path), True, checkpoint), timeout=RUN_S
+    )
+    for rank in range(2):
+        _close(ours[rank], theirs[rank])  # steps 1-4 from the checkpoint's trainer state
+    assert "mode=graphed" in ours[0]["report"] and "replays=8" in ours[0]["report"]
+
+
+def test_a_checkpoint_graph_trainer_saved_under_fsdp2_resumes_bit_for_bit(graphed_fsdp2, tmp_path):
+    """GraphTrainer saves the FSDP2 model and optimizer through the Trainer (Accelerate's
+    save_fsdp_model / save_fsdp_optimizer on DCP); resumed, it lands where its own uninterrupted
+    run did, to the bit (its replays equal its eager steps)."""
+    out, whole = graphed_fsdp2
+    checkpoint = str(out / "checkpoint-4")
+    resumed = run_distributed(
+        workers.run_fsdp2_trainer, 2, args=(str(tmp_path), True, checkpoint), timeout=RUN_S
+    )
+    for rank in range(2):
+        _same(resumed[rank], whole[rank])
+        for index, state in whole[rank]["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(resumed[rank]["optimizer"][index][key], value), (index, key)
+
+
+def test_the_trainers_fsdp1_is_refused_on_every_rank_naming_the_way_out(tmp_path):
     from .test_objects import assert_same_error_everywhere
 
+    # sync_module_states off: FSDP1's plugin refuses it on the CPU at construction
+    fsdp1 = {"fsdp": True, "fsdp_config": {"version": 1, "sync_module_states": "false"}}
     errors = run_distributed(
-        workers.build_trainer_with_fsdp, 2, args=(str(tmp_path),), timeout=RUN_S,
-        return_exceptions=True,
+        functools.partial(workers.build_trainer_with_fsdp, **fsdp1), 2, args=(str(tmp_path),),
+        timeout=RUN_S, return_exceptions=True,
     )  # fmt: skip
-    assert_same_error_everywhere(errors, ConfigError, "does not run the Trainer's FSDP set-up")
-    assert "fully_shard per block" in str(errors[0]) and "transformers.Trainer" in str(errors[0])
+    assert_same_error_everywhere(errors, ConfigError, "runs the Trainer's FSDP2 only")
+    assert "version 1" in str(errors[0]) and "fsdp_config={'version': 2}" in str(errors[0])
 
 
 def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(tmp_path):
