@@ -394,13 +394,20 @@ def run_lightning_manual() -> None:
     trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))
 
 
-def build_trainer_with_fsdp(output_dir: str, **fsdp: Any) -> None:
+def build_trainer_with_fsdp(output_dir: str, scale_fp16: bool = False, **fsdp: Any) -> None:
     """GraphTrainer with the Trainer's FSDP arguments ``fsdp`` and the Accelerator they build on
-    CUDA (FSDP1: refused on every rank)."""
+    CUDA (FSDP1: refused on every rank); ``scale_fp16``: with the GradScaler Accelerate builds
+    for ``fp16=True`` on CUDA (none on the CPU)."""
     from ddpgraph.integrations.transformers import GraphTrainer
 
+    class WithScaler(fsdp2_on_the_cpu(GraphTrainer)):  # type: ignore[misc]
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if scale_fp16:
+                self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
     args = trainer_args(output_dir, **fsdp)
-    fsdp2_on_the_cpu(GraphTrainer)(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))
+    WithScaler(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))
 
 
 def build_trainer_with_sharded_model(output_dir: str) -> None:

@@ -236,6 +236,18 @@ def test_the_trainers_fsdp1_is_refused_on_every_rank_naming_the_way_out(tmp_path
     assert "version 1" in str(errors[0]) and "fsdp_config={'version': 2}" in str(errors[0])
 
 
+def test_fp16_with_the_trainers_fsdp2_is_refused_on_every_rank_naming_bf16(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    fp16 = {"fp16": True, "scale_fp16": True, **workers.FSDP2_ARGS}
+    errors = run_distributed(
+        functools.partial(workers.build_trainer_with_fsdp, **fp16), 2, args=(str(tmp_path),),
+        timeout=RUN_S, return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "the Trainer's FSDP2 and fp16=True")
+    assert "use bf16=True" in str(errors[0])
+
+
 def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(tmp_path):
     from .test_objects import assert_same_error_everywhere
 

@@ -8,6 +8,10 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 
 * ``_wrap_model`` returns a handle instead of the model, so Accelerate does not wrap the model in
   a DDP of its own (built on the default stream, its backward cannot be captured).
+* The Trainer's own FSDP2 (``fsdp=True``, version 2): ``_wrap_model`` returns the model so that
+  Accelerate shards it and points the optimizer at the shards as in the Trainer's run; the loop
+  then gets the handle (its ``no_sync`` left to the step), the TrainStep graphs the FSDP2 step,
+  and checkpoints are Accelerate's FSDP2 save and load.
 * The Trainer's optimizer becomes a view (:class:`OptimizerView`): ``step()`` and
   ``zero_grad()`` do nothing (the graph updates and zeroes), and the scheduler drives the view's
   param groups, whose LR (a Python float) is handed to the real optimizer before every step.
@@ -501,7 +505,8 @@ class _StepHandle(nn.Module):
 
 
 class _TrainerLoss(nn.Module):
-    """The module the TrainStep wraps in DDP: ``forward(**batch)`` is the loss as the Trainer's
+    """The module the TrainStep wraps in DDP (under the Trainer's FSDP2, the parameter-free
+    module around FSDP2's root): ``forward(**batch)`` is the loss as the Trainer's
     ``training_step`` backpropagates it, through ``Trainer.compute_loss`` (for SFTTrainer, a
     mapping with the loss and the metric tensors TRL gathers, outputs of the graph)."""
 
