@@ -162,9 +162,11 @@ def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
         pytest.param(
             name,
             marks=pytest.mark.xfail(
-                strict=False,
-                reason="not yet run to its end with the graph-safe reference (the other groups "
-                "pass with it; this one was cut by the session's deadline): lift once it passes",
+                strict=True,
+                reason="its row 'gradient checkpointing' replays apart from the graph-safe plain "
+                "Trainer from the first replayed step (step 13: loss 4.03260 vs 4.03375, wte "
+                "1.1e-4 apart; the recomputed forward inside backward under the CPU engine, "
+                "cause not found yet); its 12 other rows pass",
             ),
         )
         if name == "training"
