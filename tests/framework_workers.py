@@ -87,3 +87,33 @@ def graph_safe_optimizer(
     optimizer = kind(params, lr=lr, **options)
     make_graph_safe(optimizer, torch.device("cpu"))
     return optimizer
+
+
+def graph_safe_arithmetic(optimizer: torch.optim.Optimizer) -> None:
+    """The optimizer steps as a graphed step's does (``capturable=True``, on the
+    foreach path, the LR a float32 tensor during the step, as
+    ``ddpgraph.step.optim.make_graph_safe`` sets them; SGD fused) while the Trainer and its
+    scheduler keep reading float LRs: the plain run a graphed one equals (the reference of the
+    Trainer, SFTTrainer and Accelerate tests on the CPU engine)."""
+    from ddpgraph.step.optim import allow_capturable_on_cpu, take_the_foreach_path
+
+    allow_capturable_on_cpu()
+    for group in optimizer.param_groups:
+        if "capturable" in group:
+            group["capturable"] = True
+            take_the_foreach_path(group)  # foreach, as make_graph_safe sets it
+        else:  # SGD: its fused kernel, as make_graph_safe sets it
+            group["fused"], group["foreach"] = True, False
+    floats: list[Any] = []
+
+    def lr_as_tensor(opt: Any, *args: Any) -> None:
+        floats[:] = [group["lr"] for group in opt.param_groups]
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+
+    def lr_as_float(opt: Any, *args: Any) -> None:
+        for group, lr in zip(opt.param_groups, floats):
+            group["lr"] = lr
+
+    optimizer.register_step_pre_hook(lr_as_tensor)
+    optimizer.register_step_post_hook(lr_as_float)

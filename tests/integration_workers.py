@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .framework_workers import graph_safe_optimizer
+from .framework_workers import graph_safe_arithmetic, graph_safe_optimizer
 
 
 def gpt2_data(n: int = 128, length: int = 16, vocab: int = 100, seed: int = 3) -> list[dict]:
@@ -53,23 +53,60 @@ def trainer_args(output_dir: str, **overrides: Any) -> Any:
     return transformers.TrainingArguments(**options)
 
 
+def with_graph_safe_arithmetic(trainer_class: Any) -> Any:
+    """``trainer_class`` whose optimizer steps with a graphed step's arithmetic
+    (:func:`~.framework_workers.graph_safe_arithmetic`): the Trainer's own run, loop and
+    optimizer, that a graphed run on the CPU engine equals to the bit."""
+
+    class GraphSafeArithmetic(trainer_class):  # type: ignore[misc, valid-type]
+        def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+            optimizer = super().create_optimizer(*args, **kwargs)
+            real = optimizer
+            while hasattr(real, "optimizer"):
+                real = real.optimizer
+            graph_safe_arithmetic(real)
+            return optimizer
+
+        def _clip_grad_norm(self, model: Any) -> Any:
+            if not self.is_fsdp_enabled:
+                return super()._clip_grad_norm(model)
+            # Accelerate's FSDP2 clipping (Trainer._clip_grad_norm -> clip_grad_norm_) with
+            # foreach, the path its foreach=None takes for CUDA tensors and the graphed step
+            # takes; for CPU DTensors it picks the per-tensor loop (last bits apart)
+            params = list(model.parameters())
+            clip = self.accelerator._clip_grad_norm_dtensor_aware
+            return clip(params, self.args.max_grad_norm, foreach=True)
+
+    return GraphSafeArithmetic
+
+
 def run_trainer(
-    output_dir: str, graphed: bool, resume: str | None = None, rows: int = 128, **overrides: Any
+    output_dir: str,
+    graphed: bool,
+    resume: str | None = None,
+    rows: int = 128,
+    safe: bool = True,
+    on_the_cpu: Any = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
-    """Train the tiny GPT-2 with the plain Trainer or GraphTrainer; what they logged and ended
-    with."""
+    """Train the tiny GPT-2 with the plain Trainer (``safe``: its optimizer with the graphed
+    step's arithmetic) or GraphTrainer (``on_the_cpu``: a change to the Trainer class, as
+    :func:`fsdp2_on_the_cpu`); what they logged and ended with."""
     import transformers
 
     from ddpgraph.testing import CpuGraphs
 
     args = trainer_args(output_dir, **overrides)
     common = dict(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(rows))
+    adapt = on_the_cpu or (lambda cls: cls)
     if graphed:
         from ddpgraph.integrations.transformers import GraphTrainer
 
-        trainer = GraphTrainer(**common, step_options={"engine": CpuGraphs()})
+        trainer = adapt(GraphTrainer)(**common, step_options={"engine": CpuGraphs()})
+    elif safe:
+        trainer = adapt(with_graph_safe_arithmetic(transformers.Trainer))(**common)
     else:
-        trainer = transformers.Trainer(**common)
+        trainer = adapt(transformers.Trainer)(**common)
     trainer.train(resume_from_checkpoint=resume)
     logs = [
         {k: v for k, v in entry.items() if k in ("step", "loss", "grad_norm", "learning_rate")}
@@ -78,11 +115,78 @@ def run_trainer(
     ]
     return {
         "logs": logs,
-        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "params": {k: _whole(v) for k, v in trainer.model.state_dict().items()},
+        "optimizer": _optimizer_state(trainer.optimizer),
         "lr": [float(g["lr"]) for g in trainer.optimizer.param_groups],
         "report": str(trainer.report()) if graphed else None,
         "rank": int(os.environ.get("RANK", 0)),
+        "sharded": _sharded_modules(trainer.model),
     }
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``; an FSDP2 shard (DTensor) gathered whole (every rank calls it)."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().clone()
+
+
+def _optimizer_state(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """The real optimizer's state, each tensor gathered whole."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return {
+        index: {k: _whole(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        for index, state in optimizer.state_dict()["state"].items()
+    }
+
+
+def _sharded_modules(model: Any) -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+# the issue's spelling; checkpoints as DCP shards: the Trainer's FULL_STATE_DICT save gathers on
+# rank 0 alone and fails on gloo for the plain Trainer as for GraphTrainer (a collective
+# mismatch in save_pretrained's tied-weight check on DTensors, transformers 5.25)
+FSDP2_ARGS = {
+    "fsdp": "full_shard",
+    "fsdp_config": {"fsdp_version": 2, "state_dict_type": "SHARDED_STATE_DICT"},
+}
+
+
+def fsdp2_on_the_cpu(trainer_class: Any) -> Any:
+    """``trainer_class`` with the Accelerator its FSDP arguments build on CUDA, on the CPU.
+
+    ``AcceleratorState`` (accelerate 1.16, state.py) turns ``distributed_type`` to FSDP and
+    keeps the Trainer's ``fsdp_plugin`` only in its branch for GPUs and other accelerators; on
+    the CPU (MULTI_CPU) it drops the plugin and the Trainer trains with DDP. Set here what that
+    branch sets, before anything is prepared, so the Trainer's real FSDP2 path runs on gloo:
+    Accelerate's ``fully_shard`` of each block, the embeddings and the head, its ``no_sync``,
+    its FSDP2 checkpoint save and load."""
+
+    class FSDP2OnTheCpu(trainer_class):  # type: ignore[misc, valid-type]
+        def create_accelerator_and_postprocess(self) -> None:
+            from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+            super().create_accelerator_and_postprocess()
+            state = self.accelerator.state
+            assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+            assert getattr(state, "fsdp_plugin", None) is None  # dropped on the CPU
+            state.distributed_type = DistributedType.FSDP
+            state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.is_fsdp_enabled = True
+
+    return FSDP2OnTheCpu
+
+
+def run_fsdp2_trainer(
+    output_dir: str, graphed: bool, resume: str | None = None, **overrides: Any
+) -> Any:
+    """:func:`run_trainer` with the Trainer's own FSDP2 set-up (Accelerate shards each GPT-2
+    block, the embeddings and the head with ``fully_shard``; :func:`fsdp2_on_the_cpu`)."""
+    options = {**FSDP2_ARGS, **overrides}
+    return run_trainer(output_dir, graphed, resume, on_the_cpu=fsdp2_on_the_cpu, **options)
 
 
 def _warmup_schedule(optimizer: Any) -> Any:
@@ -290,12 +394,20 @@ def run_lightning_manual() -> None:
     trainer.fit(Manual(), DataLoader(torch.randn(8, 4), batch_size=4))
 
 
-def build_trainer_with_fsdp(output_dir: str) -> None:
-    """GraphTrainer with the Trainer's own FSDP2 arguments (refused on every rank)."""
+def build_trainer_with_fsdp(output_dir: str, scale_fp16: bool = False, **fsdp: Any) -> None:
+    """GraphTrainer with the Trainer's FSDP arguments ``fsdp`` and the Accelerator they build on
+    CUDA (FSDP1: refused on every rank); ``scale_fp16``: with the GradScaler Accelerate builds
+    for ``fp16=True`` on CUDA (none on the CPU)."""
     from ddpgraph.integrations.transformers import GraphTrainer
 
-    args = trainer_args(output_dir, fsdp="full_shard", fsdp_config={"fsdp_version": 2})
-    GraphTrainer(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))
+    class WithScaler(fsdp2_on_the_cpu(GraphTrainer)):  # type: ignore[misc]
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if scale_fp16:
+                self.accelerator.scaler = torch.amp.GradScaler("cpu")
+
+    args = trainer_args(output_dir, **fsdp)
+    WithScaler(model=tiny_gpt2(), args=args, train_dataset=gpt2_data(16))
 
 
 def build_trainer_with_sharded_model(output_dir: str) -> None:

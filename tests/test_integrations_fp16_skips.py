@@ -119,7 +119,9 @@ def test_accelerator_state_starts_fresh_fp16():
 
 def _trainer_logs(graphed: bool, out, optim: str, overflow: bool) -> tuple[list, object]:
     """A 24-step fp16 run (48 micro-batches: 24 of warm-up, then replays) of the plain Trainer
-    or GraphTrainer on the CPU stand-in engine; every logged step's loss, grad norm and LR."""
+    (its optimizer stepping the graphed step's arithmetic: capturable, the LR a float32 tensor,
+    as GraphTrainer's graph steps it on the CPU engine and on CUDA) or GraphTrainer on the CPU
+    engine; every logged step's loss, grad norm and LR."""
     import transformers
 
     from ddpgraph.integrations.transformers import GraphTrainer
@@ -134,7 +136,7 @@ def _trainer_logs(graphed: bool, out, optim: str, overflow: bool) -> tuple[list,
     if graphed:
         trainer = GraphTrainer(**common, step_options={"engine": CpuGraphs()})
     else:
-        trainer = transformers.Trainer(**common)
+        trainer = workers.with_graph_safe_arithmetic(transformers.Trainer)(**common)
     _scale_fp16_on_the_cpu(trainer.accelerator)
     trainer.train()
     keys = ("step", "loss", "grad_norm", "learning_rate")
@@ -155,17 +157,7 @@ def _skipped(logs) -> int:
 
 
 @pytest.mark.parametrize(("optim", "overflow"), fp16_workers.TRAINER_CASES)
-def test_graph_trainer_fp16_logs_the_plain_trainers_lrs_and_losses(
-    tmp_path, optim, overflow, request
-):
-    if optim == "adamw_torch_fused":  # issue 47: see test_integrations_transformers.ARITHMETIC
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the plain Trainer's reference does not step the graph-safe optimizer yet "
-                "(bit for bit on the H100: tests/gpu)",
-            )
-        )
+def test_graph_trainer_fp16_logs_the_plain_trainers_lrs_and_losses(tmp_path, optim, overflow):
     plain, _ = _trainer_logs(False, tmp_path, optim, overflow)
     ours, trainer = _trainer_logs(True, tmp_path, optim, overflow)
     report = trainer.report().step

@@ -7,6 +7,7 @@ resume from the Trainer's own checkpoint lands where the Trainer's run does. The
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
@@ -23,16 +24,14 @@ pytestmark = pytest.mark.timeout(600)
 
 RUN_S = 540  # one Trainer run of 20 steps on 2 ranks, on a loaded 2-core machine
 
-# issue 47: on the CPU engine GraphTrainer steps the optimizer as on CUDA (capturable, the LR a
-# float32 tensor); the plain Trainer here keeps its own, so the runs part in the last bits (grad
-# norm 6e-8 apart at step 7). Equal on the H100 (the receipt). The reference needs the graph's
-# arithmetic, as tests/trl_workers.graph_safe_arithmetic gives SFT's: not done yet.
-ARITHMETIC = "the plain Trainer's reference does not step the graph-safe optimizer yet"
-
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps."""
+    """The Trainer's own run (DDP by Accelerate), checkpoints every 4 steps. Its optimizer steps
+    with the graphed step's arithmetic (capturable, foreach, the LR a float32 tensor:
+    integration_workers.with_graph_safe_arithmetic), as the CPU engine steps it as on CUDA; with
+    the Trainer's default arithmetic the runs part in the last bits (grad norm 6e-8 apart at
+    step 7), and are equal on the H100 (the GPU receipt)."""
     out = tmp_path_factory.mktemp("plain")
     return out, run_distributed(workers.run_trainer, 2, args=(str(out), False), timeout=RUN_S)
 
@@ -53,10 +52,6 @@ def _same(ours, theirs):
         assert torch.equal(ours["params"][name], value), name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=ARITHMETIC,
-)
 def test_graph_trainer_trains_bit_for_bit_as_the_trainer(plain, tmp_path):
     _, theirs = plain
     ours = run_distributed(workers.run_trainer, 2, args=(str(tmp_path), True), timeout=RUN_S)
@@ -70,10 +65,6 @@ def test_graph_trainer_trains_bit_for_bit_as_the_trainer(plain, tmp_path):
     assert "num_items_in_batch: () float32" in report  # a graph input, not a constant
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=ARITHMETIC,
-)
 def test_resume_from_the_trainers_own_checkpoint_is_exact(plain, tmp_path):
     out, theirs = plain
     checkpoint = str(out / "checkpoint-4")
@@ -141,15 +132,120 @@ def test_step_options_reach_graph_trainer_in_either_class_order(tmp_path, fresh_
         Last(workers.tiny_gpt2(), args, step_options={"amp": "bf16"})
 
 
-def test_the_trainers_own_fsdp_set_up_is_refused_on_every_rank_naming_the_way_out(tmp_path):
+# ---------------------------------------------------------------- the Trainer's own FSDP2
+# TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}): Accelerate shards the
+# blocks, embeddings and head with fully_shard (integration_workers.fsdp2_on_the_cpu gives the
+# CPU the Accelerator it builds on CUDA); checkpoints as DCP shards (SHARDED_STATE_DICT)
+SHARDED = [
+    "",
+    "transformer.wte",
+    "transformer.h.0",
+    "transformer.h.1",
+    "transformer.ln_f",
+    "lm_head",
+]
+
+
+@pytest.fixture(scope="module")
+def plain_fsdp2(tmp_path_factory):
+    """The Trainer's own FSDP2 run (its optimizer stepping the graphed arithmetic, its FSDP2
+    clipping with foreach as on CUDA), checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("plain_fsdp2")
+    return out, run_distributed(workers.run_fsdp2_trainer, 2, args=(str(out), False), timeout=RUN_S)
+
+
+@pytest.fixture(scope="module")
+def graphed_fsdp2(tmp_path_factory):
+    """GraphTrainer with the same TrainingArguments, checkpoints every 4 steps."""
+    out = tmp_path_factory.mktemp("graphed_fsdp2")
+    return out, run_distributed(workers.run_fsdp2_trainer, 2, args=(str(out), True), timeout=RUN_S)
+
+
+def _close(ours, theirs):
+    """Equal steps and learning rates; losses, grad norms and parameters within the last bits
+    (measured: gradients 1 ulp apart from the first eager window, parameters 1e-8 after 12)."""
+    assert [e["step"] for e in ours["logs"]] == [e["step"] for e in theirs["logs"]]
+    assert [e["learning_rate"] for e in ours["logs"]] == [
+        e["learning_rate"] for e in theirs["logs"]
+    ]
+    for key in ("loss", "grad_norm"):
+        mine, plain = [e[key] for e in ours["logs"]], [e[key] for e in theirs["logs"]]
+        assert mine == pytest.approx(plain, rel=1e-5), key
+    for name, value in theirs["params"].items():
+        torch.testing.assert_close(ours["params"][name], value, rtol=0, atol=1e-5, msg=name)
+
+
+def test_the_trainers_own_fsdp2_is_graphed_and_trains_as_the_trainer(plain_fsdp2, graphed_fsdp2):
+    (_, theirs), (_, ours) = plain_fsdp2, graphed_fsdp2
+    for rank in range(2):
+        assert theirs[rank]["sharded"] == SHARDED and ours[rank]["sharded"] == SHARDED
+        _close(ours[rank], theirs[rank])
+    report = ours[0]["report"]
+    assert "mode=graphed" in report and "replays=16" in report, report  # 40 calls, 24 warm-up
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the gradients of GraphTrainer's eager FSDP2 steps are 1 ulp apart from the "
+    "Trainer's from the first window (3.7e-9 at update 1, no clipping, same optimizer flags, "
+    "dropout and data); cause not found yet",
+)
+def test_the_trainers_own_fsdp2_graphed_is_bit_for_bit(plain_fsdp2, graphed_fsdp2):
+    (_, theirs), (_, ours) = plain_fsdp2, graphed_fsdp2
+    for rank in range(2):
+        _same(ours[rank], theirs[rank])
+
+
+def test_graph_trainer_resumes_the_trainers_own_fsdp2_checkpoint(plain_fsdp2, tmp_path):
+    out, theirs = plain_fsdp2
+    checkpoint = str(out / "checkpoint-4")  # DCP shards of the model and optimizer, saved by it
+    ours = run_distributed(
+        workers.run_fsdp2_trainer, 2, args=(str(tmp_path), True, checkpoint), timeout=RUN_S
+    )
+    for rank in range(2):
+        _close(ours[rank], theirs[rank])  # steps 1-4 from the checkpoint's trainer state
+    assert "mode=graphed" in ours[0]["report"] and "replays=8" in ours[0]["report"]
+
+
+def test_a_checkpoint_graph_trainer_saved_under_fsdp2_resumes_bit_for_bit(graphed_fsdp2, tmp_path):
+    """GraphTrainer saves the FSDP2 model and optimizer through the Trainer (Accelerate's
+    save_fsdp_model / save_fsdp_optimizer on DCP); resumed, it lands where its own uninterrupted
+    run did, to the bit (its replays equal its eager steps)."""
+    out, whole = graphed_fsdp2
+    checkpoint = str(out / "checkpoint-4")
+    resumed = run_distributed(
+        workers.run_fsdp2_trainer, 2, args=(str(tmp_path), True, checkpoint), timeout=RUN_S
+    )
+    for rank in range(2):
+        _same(resumed[rank], whole[rank])
+        for index, state in whole[rank]["optimizer"].items():
+            for key, value in state.items():
+                assert torch.equal(resumed[rank]["optimizer"][index][key], value), (index, key)
+
+
+def test_the_trainers_fsdp1_is_refused_on_every_rank_naming_the_way_out(tmp_path):
     from .test_objects import assert_same_error_everywhere
 
+    # sync_module_states off: FSDP1's plugin refuses it on the CPU at construction
+    fsdp1 = {"fsdp": True, "fsdp_config": {"version": 1, "sync_module_states": "false"}}
     errors = run_distributed(
-        workers.build_trainer_with_fsdp, 2, args=(str(tmp_path),), timeout=RUN_S,
-        return_exceptions=True,
+        functools.partial(workers.build_trainer_with_fsdp, **fsdp1), 2, args=(str(tmp_path),),
+        timeout=RUN_S, return_exceptions=True,
     )  # fmt: skip
-    assert_same_error_everywhere(errors, ConfigError, "does not run the Trainer's FSDP set-up")
-    assert "fully_shard per block" in str(errors[0]) and "transformers.Trainer" in str(errors[0])
+    assert_same_error_everywhere(errors, ConfigError, "runs the Trainer's FSDP2 only")
+    assert "version 1" in str(errors[0]) and "fsdp_config={'version': 2}" in str(errors[0])
+
+
+def test_fp16_with_the_trainers_fsdp2_is_refused_on_every_rank_naming_bf16(tmp_path):
+    from .test_objects import assert_same_error_everywhere
+
+    fp16 = {"fp16": True, "scale_fp16": True, **workers.FSDP2_ARGS}
+    errors = run_distributed(
+        functools.partial(workers.build_trainer_with_fsdp, **fp16), 2, args=(str(tmp_path),),
+        timeout=RUN_S, return_exceptions=True,
+    )  # fmt: skip
+    assert_same_error_everywhere(errors, ConfigError, "the Trainer's FSDP2 and fp16=True")
+    assert "use bf16=True" in str(errors[0])
 
 
 def test_a_model_the_script_sharded_is_refused_on_every_rank_naming_the_way_out(tmp_path):

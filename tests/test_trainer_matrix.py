@@ -1,8 +1,11 @@
 """The Trainer feature matrix: each row a set of ``TrainingArguments`` (and Trainer extras) run
 with the plain ``transformers.Trainer`` (its own DDP through Accelerate), with ``GraphTrainer``
-eagerly, and with ``GraphTrainer`` on the CPU stand-in engine capturing, on 2 gloo ranks; every
-logged entry (losses, grad norms, learning rates, eval metrics, epochs), the final parameters and
-the optimizer's state must be equal to the bit, and the captured run must have replayed.
+eagerly, and with ``GraphTrainer`` on the CPU engine capturing, on 2 gloo ranks; every logged
+entry (losses, grad norms, learning rates, eval metrics, epochs), the final parameters and the
+optimizer's state must be equal to the bit, and the captured run must have replayed. The eager
+run is compared with the plain Trainer; the captured one steps the optimizer as on CUDA
+(capturable, foreach, the LR a float32 tensor), so it is compared with the plain Trainer whose
+optimizer steps that arithmetic (``trainer_workers.REFERENCE``).
 
 A process pair runs a whole group of rows (starting one costs more than a short run). The rows
 of ``MORE`` run when ``DDPGRAPH_TRAINER_MATRIX=full`` (a skip says so otherwise): they repeat
@@ -21,7 +24,7 @@ from . import trainer_workers as workers
 
 pytest.importorskip("transformers")
 
-RUN_S = 1500  # a group of ~10 rows, three runs each, on a loaded 2-core machine
+RUN_S = 2100  # a group of ~10 rows, four runs each, on a loaded 2-core machine
 EVAL = {"eval_strategy": "steps", "eval_steps": 4}
 BEST = {"save_strategy": "steps", "save_steps": 4, "load_best_model_at_end": True}
 TAIL = {"max_steps": -1, "num_train_epochs": 2}  # 120 rows: 15 batches an epoch, k=2
@@ -136,10 +139,13 @@ def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
     for label in rows:
         for rank in range(2):
             runs = results[rank][label]
-            if isinstance(runs["plain"], str):  # every row is one the Trainer trains
-                failures.append(f"{label} [plain Trainer, rank {rank}]: {runs['plain']:.300}")
-            for mode in ("eager", "graphed"):
-                found = workers.differences(runs["plain"], runs[mode])
+            for reference in ("plain", "safe"):  # every row is one the Trainer trains
+                if isinstance(runs[reference], str):
+                    failures.append(
+                        f"{label} [{reference} Trainer, rank {rank}]: {runs[reference]:.300}"
+                    )
+            for mode, reference in workers.REFERENCE.items():
+                found = workers.differences(runs[reference], runs[mode])
                 if found:
                     failures.append(f"{label} [{mode}, rank {rank}]: {found[:2]}")
         graphed = results[0][label]["graphed"]
@@ -150,12 +156,23 @@ def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
 
 
 @pytest.mark.timeout(RUN_S + 60)
-@pytest.mark.parametrize("group", sorted(CORE))
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 47: on the CPU engine GraphTrainer steps the optimizer as on CUDA (capturable, "
-    "a float32 LR tensor) while the plain Trainer keeps its own: last-bit differences; the "
-    "reference needs the graph's arithmetic (tests/trl_workers.graph_safe_arithmetic), not done",
+@pytest.mark.parametrize(
+    "group",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="its row 'gradient checkpointing' replays apart from the graph-safe plain "
+                "Trainer from the first replayed step (step 13: loss 4.03260 vs 4.03375, wte "
+                "1.1e-4 apart; the recomputed forward inside backward under the CPU engine, "
+                "cause not found yet); its 12 other rows pass",
+            ),
+        )
+        if name == "training"
+        else name
+        for name in sorted(CORE)
+    ],
 )
 def test_trainer_features_train_bit_for_bit_as_the_trainer(group, tmp_path):
     results = _check_group(CORE[group], tmp_path)

@@ -1,6 +1,7 @@
 """Workers for the Trainer feature matrix (``test_trainer_matrix.py``): one row is a set of
 ``TrainingArguments`` (and Trainer extras), run with the plain ``transformers.Trainer``, with
-``GraphTrainer`` eagerly and with ``GraphTrainer`` on the CPU stand-in engine capturing; each run
+``GraphTrainer`` eagerly, with the plain Trainer stepping the graphed step's arithmetic ("safe")
+and with ``GraphTrainer`` on the CPU engine capturing (compared with "safe"); each run
 returns what the Trainer logged, the final parameters and the optimizer's state, so the test can
 compare them bit for bit. One process pair runs several rows (starting processes is slow)."""
 
@@ -11,9 +12,13 @@ from typing import Any
 
 import torch
 
-from .integration_workers import gpt2_data, tiny_gpt2, trainer_args
+from .integration_workers import gpt2_data, tiny_gpt2, trainer_args, with_graph_safe_arithmetic
 
-MODES = ("plain", "eager", "graphed")
+MODES = ("plain", "eager", "safe", "graphed")
+# what each GraphTrainer mode is compared with: the eager step steps the Trainer's optimizer as
+# the Trainer does; the graphed one as on CUDA (capturable, foreach, the LR a float32 tensor),
+# so its reference is the plain Trainer stepping that arithmetic
+REFERENCE = {"eager": "plain", "graphed": "safe"}
 _TIMING = ("runtime", "per_second")  # wall-time entries of the logs: never equal
 
 
@@ -80,6 +85,8 @@ def build_trainer(out: str, mode: str, row: dict[str, Any]) -> Any:
         common["compute_loss_func"] = _scaled_loss
     if mode == "plain":
         return transformers.Trainer(**common)
+    if mode == "safe":
+        return with_graph_safe_arithmetic(transformers.Trainer)(**common)
     from ddpgraph.integrations.transformers import GraphTrainer
 
     options = dict(row.get("step_options", {}))

@@ -93,46 +93,14 @@ def _words(gen: torch.Generator, low: int, high: int) -> str:
     return " ".join(f"w{int(i)}" for i in torch.randint(_WORDS, (count,), generator=gen))
 
 
-def graph_safe_arithmetic(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer steps as a graphed step's does (``capturable=True``, the foreach path, the
-    LR a float32 tensor during the step, as ``ddpgraph.step.optim.make_graph_safe`` sets them) while the Trainer and its scheduler keep
-    reading float LRs: the plain run a graphed one equals."""
-    from ddpgraph.step.optim import allow_capturable_on_cpu, take_the_foreach_path
-
-    allow_capturable_on_cpu()
-    for group in optimizer.param_groups:
-        group["capturable"] = True
-        take_the_foreach_path(group)  # the step's own rule
-    floats: list[Any] = []
-
-    def lr_as_tensor(opt: Any, *args: Any) -> None:
-        floats[:] = [group["lr"] for group in opt.param_groups]
-        for group in opt.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
-
-    def lr_as_float(opt: Any, *args: Any) -> None:
-        for group, lr in zip(opt.param_groups, floats):
-            group["lr"] = lr
-
-    optimizer.register_step_pre_hook(lr_as_tensor)
-    optimizer.register_step_post_hook(lr_as_float)
-
-
 def _graph_safe_sft() -> Any:
     """SFTTrainer whose optimizer has the graphed step's arithmetic (the reference of a
     graphed run: ``mode="safe"``)."""
     from trl import SFTTrainer
 
-    class GraphSafeArithmetic(SFTTrainer):
-        def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-            optimizer = super().create_optimizer(*args, **kwargs)
-            real = optimizer
-            while hasattr(real, "optimizer"):
-                real = real.optimizer
-            graph_safe_arithmetic(real)
-            return optimizer
+    from .integration_workers import with_graph_safe_arithmetic
 
-    return GraphSafeArithmetic
+    return with_graph_safe_arithmetic(SFTTrainer)
 
 
 class CompactChooser:

@@ -8,6 +8,10 @@ is a TrainStep, which owns DDP. How it is wired, and why each piece:
 
 * ``_wrap_model`` returns a handle instead of the model, so Accelerate does not wrap the model in
   a DDP of its own (built on the default stream, its backward cannot be captured).
+* The Trainer's own FSDP2 (``fsdp=True``, version 2): ``_wrap_model`` returns the model so that
+  Accelerate shards it and points the optimizer at the shards as in the Trainer's run; the loop
+  then gets the handle (its ``no_sync`` left to the step), the TrainStep graphs the FSDP2 step,
+  and checkpoints are Accelerate's FSDP2 save and load.
 * The Trainer's optimizer becomes a view (:class:`OptimizerView`): ``step()`` and
   ``zero_grad()`` do nothing (the graph updates and zeroes), and the scheduler drives the view's
   param groups, whose LR (a Python float) is handed to the real optimizer before every step.
@@ -128,7 +132,7 @@ class GraphTrainer(transformers.Trainer):
                 f"({', '.join(_FROM_ARGS[k] for k in taken)}); set them there."
             )
         super().__init__(*args, **kwargs)
-        _check_no_sharding_engine(self.args)
+        _check_sharding_engine(self)
         if self.args.torch_compile and "compile" in options:
             raise ConfigError(
                 f"GraphTrainer got TrainingArguments(torch_compile=True) and step_options="
@@ -189,6 +193,10 @@ class GraphTrainer(transformers.Trainer):
     ) -> nn.Module:
         if not training:  # evaluation and prediction: the Trainer's own, eager
             return super()._wrap_model(model, training=False, dataloader=dataloader)
+        if self._fsdp2:
+            # the Trainer's FSDP2: Accelerate's prepare(model, optimizer) shards the model as in
+            # the Trainer's own run; the handle comes after (_prepare_for_training)
+            return self._model()
         if self.args.n_gpu > 1:
             raise ConfigError(
                 f"GraphTrainer runs one process per GPU, but this process sees n_gpu="
@@ -199,6 +207,30 @@ class GraphTrainer(transformers.Trainer):
         if self._handle is None or self._handle.module is not self._model():
             self._handle = _StepHandle(self._model())
         return self._handle
+
+    def _prepare_for_training(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's preparation; with its FSDP2, the loop gets the handle of the model
+        Accelerate sharded (the Trainer keeps the sharded model as ``model``, and saves and
+        loads it and the optimizer with Accelerate's FSDP2 checkpoint functions)."""
+        prepare = super()._prepare_for_training
+        model, loader = prepare(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if not self._fsdp2:
+            return model, loader
+        if self._handle is None or self._handle.module is not self._model():
+            self._handle = _StepHandle(self._model())
+        return self._handle, loader
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Any) -> None:
+        """The Trainer's load; under FSDP2 the real optimizer's state is created first, as the
+        Trainer's own run creates it: torch's ``get/set_optimizer_state_dict`` (Accelerate's
+        FSDP2 load) step an optimizer without state once at LR 0 with zero gradients to build
+        the template the checkpoint is read into, and the view's ``step()`` does nothing (with
+        no state there, the moments would not be loaded)."""
+        if checkpoint is not None and self._fsdp2 and self._view is not None:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(self._view.optimizer)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def get_train_dataloader(self) -> Any:
         """The Trainer's training loader, its collator padding to length buckets, and packed
@@ -318,11 +350,16 @@ class GraphTrainer(transformers.Trainer):
             clip_grad_norm=clip,
             grad_norm=clip is None,
             scheduler=self.lr_scheduler,
-            ddp_kwargs=_ddp_kwargs(args),
+            ddp_kwargs={} if self._fsdp2 else _ddp_kwargs(args),
             **self._compile_options(),
             **{"on_new_shape": "capture", **self.step_options},
         )
         return self.train_step
+
+    @property
+    def _fsdp2(self) -> bool:
+        """Whether the Trainer shards the model with its own FSDP2 set-up (``fsdp=True``)."""
+        return bool(getattr(self, "is_fsdp_enabled", False))
 
     def _model(self) -> nn.Module:
         assert isinstance(self.model, nn.Module), "the Trainer was built without a model"
@@ -358,6 +395,8 @@ class GraphTrainer(transformers.Trainer):
         """The precision the Trainer's Accelerator trains in: bf16 / fp16 where it autocasts
         (``native_amp``); none where it does not (fp16 on the CPU trains in fp32 there)."""
         precision = str(self.accelerator.mixed_precision)
+        if self._fsdp2:  # FSDP2's MixedPrecisionPolicy casts, as in the Trainer's FSDP2 run
+            return None
         if not self.accelerator.native_amp or precision not in ("bf16", "fp16"):
             return None
         return precision
@@ -457,9 +496,17 @@ class _StepHandle(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         pass
 
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """The Trainer's ``accelerator.no_sync`` under FSDP2: the TrainStep turns FSDP2's
+        gradient sync off for a window's micro-batches itself (``accumulate_calls``, the
+        window's end from ``accelerator.sync_gradients``)."""
+
 
 class _TrainerLoss(nn.Module):
-    """The module the TrainStep wraps in DDP: ``forward(**batch)`` is the loss as the Trainer's
+    """The module the TrainStep wraps in DDP (under the Trainer's FSDP2, the parameter-free
+    module around FSDP2's root): ``forward(**batch)`` is the loss as the Trainer's
     ``training_step`` backpropagates it, through ``Trainer.compute_loss`` (for SFTTrainer, a
     mapping with the loss and the metric tensors TRL gathers, outputs of the graph)."""
 
@@ -550,28 +597,46 @@ def _check_not_sharded(model: Any) -> None:
     if isinstance(model, nn.Module) and any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ConfigError(
             f"GraphTrainer got a model sharded with fully_shard ({type(model).__name__}); it "
-            "does not graph FSDP2 models yet (its step wraps the Trainer's loss in DDP). Train "
-            "it with ddpgraph.TrainStep in your own loop, which graphs the FSDP2 step, or with "
+            "graphs the FSDP2 step of the Trainer's own set-up: pass the model unsharded with "
+            "TrainingArguments(fsdp=True, fsdp_config={'version': 2}), or train the sharded "
+            "model with ddpgraph.TrainStep in your own loop, which graphs the FSDP2 step."
+        )
+
+
+def _check_sharding_engine(trainer: Any) -> None:
+    """The Trainer's own sharding set-ups GraphTrainer runs (FSDP2: ``fsdp=True``, version 2)
+    and those it refuses before Accelerate meets them: FSDP1, FSDP on XLA, DeepSpeed (their
+    engines own the step), fp16 loss scaling over FSDP2's shards."""
+    args = trainer.args
+    if args.fsdp and (args.fsdp_config or {}).get("xla"):
+        raise ConfigError(
+            f"GraphTrainer does not run the Trainer's FSDP on XLA (fsdp={args.fsdp!r}, "
+            "fsdp_config xla=True): it graphs CUDA (and CPU) steps. Train this run with "
             "transformers.Trainer."
         )
-
-
-def _check_no_sharding_engine(args: Any) -> None:
-    """Refuse the Trainer's own FSDP and DeepSpeed set-ups before Accelerate meets them (it
-    would prepare the optimizer without the model GraphTrainer keeps out of ``prepare``)."""
-    if args.fsdp:
-        raise ConfigError(
-            f"GraphTrainer does not run the Trainer's FSDP set-up (fsdp={args.fsdp!r}, "
-            f"fsdp_config version {(args.fsdp_config or {}).get('version', 1)}): Accelerate "
-            "would shard and prepare what the graphed step owns. Train this run with "
-            "transformers.Trainer, or shard the model yourself (fully_shard per block, then the "
-            "root) and train it with ddpgraph.TrainStep, which graphs the FSDP2 step."
-        )
+    # Accelerate turns FSDP on only where it shards (GPUs and other accelerators; on the CPU
+    # the Trainer trains with DDP despite fsdp=...): follow what it chose
+    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
+    if getattr(trainer, "is_fsdp_enabled", False) and plugin is not None:
+        version = getattr(plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ConfigError(
+                f"GraphTrainer runs the Trainer's FSDP2 only, but fsdp_config sets version "
+                f"{version} (FSDP1's FullyShardedDataParallel, whose flat parameters cannot be "
+                "captured); set fsdp_config={'version': 2} (FSDP2, the Trainer's default)."
+            )
+        if trainer.accelerator.scaler is not None:
+            raise ConfigError(
+                "GraphTrainer with the Trainer's FSDP2 and fp16=True: fp16's loss scaling needs "
+                "an inf/NaN check agreed over the gradient shards of every rank, which the "
+                "graphed step does not do yet; use bf16=True (FSDP2's MixedPrecisionPolicy, no "
+                "loss scaling), or train this run with transformers.Trainer."
+            )
     if args.deepspeed:
         raise ConfigError(
             f"GraphTrainer does not run DeepSpeed (deepspeed={args.deepspeed!r}): its engine "
             "owns the step. Train this run with transformers.Trainer, or drop deepspeed= and "
-            "let GraphTrainer's DDP step train it."
+            "let GraphTrainer's DDP step (or the Trainer's FSDP2: fsdp=True) train it."
         )
 
 

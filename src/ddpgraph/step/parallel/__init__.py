@@ -95,12 +95,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def check_not_wrapped(model: object) -> None:
     """Refuse a model the script already wrapped: the wrapping must happen on the capture
     stream; refuse FSDP1 (FSDP2's ``fully_shard`` is taken as it is)."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
     from .ddp import check_not_ddp
     from .fsdp2 import check_not_fsdp1, find_fsdp2
 
-    if isinstance(model, nn.Module) and hasattr(model, "module"):
-        inside = getattr(model, "module", None)
-        if isinstance(inside, nn.Module) and find_fsdp2(inside):
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        inside = model.module
+        if find_fsdp2(inside):
             raise ConfigError(
                 "the model is both wrapped in DistributedDataParallel and sharded with "
                 "fully_shard; use one of them: pass the fully_shard-ed module without DDP "

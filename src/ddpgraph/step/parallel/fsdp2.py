@@ -40,6 +40,7 @@ __all__ = [
     "find_fsdp2",
     "is_fsdp2",
     "shard_blocks",
+    "sharded_root",
 ]
 
 
@@ -59,7 +60,9 @@ def find_fsdp2(module: nn.Module) -> list[str]:
 
 class FSDP2(DataParallel):
     """The module the script sharded with ``fully_shard`` (or :func:`shard_blocks` sharded for
-    it), used as it is: FSDP2 has no wrapper object, so ``module`` and ``inner`` are the root.
+    it), used as it is: FSDP2 has no wrapper object, so ``module`` and ``inner`` are the module
+    the step calls, and :attr:`root` FSDP2's root: the module itself, or the sharded model
+    inside a parameter-free module around it (a loss module, as GraphTrainer's).
 
     * Gradient sync: FSDP2 reduce-scatters each block's gradients in backward; an accumulating
       micro-step turns that off with ``set_requires_gradient_sync(False)`` for its backward.
@@ -79,19 +82,20 @@ class FSDP2(DataParallel):
         stream: torch.cuda.Stream | None,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
-        check_sharded_root(module)
+        root = sharded_root(module)
         self._replaced = replaced or {}  # sharded here: the old parameters' new DTensor ones
         self.module = module
         self.inner = module
+        self.root = root  # what FSDP2's own methods (gradient sync, reshard, reset) are called on
         self.device = device
         self._stream = stream
-        self.group = _group_of(module)
+        self.group = _group_of(root)
         # a no-grad (evaluation) forward leaves the root's parameters gathered: reshard them
-        self._hook = module.register_forward_hook(_reshard_after_no_grad_forward)
+        self._hook = root.register_forward_hook(_reshard_after_no_grad_forward)
         # each sharded module with its parameter groups, walked once: read on every call
         self._sharded = [
             (sub, _param_groups(sub._get_fsdp_state()))  # type: ignore[operator]
-            for sub in module.modules()
+            for sub in root.modules()
             if is_fsdp2(sub)
         ]
         self._flags = [g for _, groups in self._sharded for g in groups]  # reduce_grads
@@ -166,11 +170,11 @@ class FSDP2(DataParallel):
         # accumulate until the last micro-batch's backward reduces them all); the script's own
         # value is put back after (its flag is read at each call: script_sync)
         before = all(group.reduce_grads for group in self._flags)
-        self.module.set_requires_gradient_sync(False)  # type: ignore[operator]
+        self.root.set_requires_gradient_sync(False)  # type: ignore[operator]
         try:
             yield
         finally:
-            self.module.set_requires_gradient_sync(before)  # type: ignore[operator]
+            self.root.set_requires_gradient_sync(before)  # type: ignore[operator]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the DTensor gradients as ``torch.nn.utils.clip_grad_norm_`` does in a plain FSDP2
@@ -190,7 +194,7 @@ class FSDP2(DataParallel):
     def allows_capture(self, steps: int) -> bool:
         """Raises :class:`CaptureError` naming what FSDP2 has pending if it is not idle: a graph
         captured then would wait on an event recorded by eager work, or free its buffer."""
-        pending = fsdp2_pending(self.module)
+        pending = fsdp2_pending(self.root)
         if pending:
             raise CaptureError(
                 "FSDP2 is not idle, so the step cannot be captured: pending "
@@ -211,7 +215,7 @@ class FSDP2(DataParallel):
     ) -> str | None:
         """What FSDP2 cannot capture: CPU offload (host syncs), SGD on DTensor shards, fp16,
         more than two accumulate_calls."""
-        offloaded = _offloading(self.module)
+        offloaded = _offloading(self.root)
         if offloaded:
             return (
                 f"FSDP2's CPUOffloadPolicy (on {offloaded}) copies to and from the host and "
@@ -244,19 +248,19 @@ class FSDP2(DataParallel):
     # ----------------------------------------------------------------- failed captures
     def dirty(self) -> bool:
         """Whether a failed capture left FSDP2 mid-iteration (a forward or backward state)."""
-        return any(not_idle for not_idle in _training_states(self.module))
+        return any(not_idle for not_idle in _training_states(self.root))
 
     def reset(self) -> None:
         """FSDP2's own recovery (``reset_iter_state`` on the root, torch >= 2.12): wait on the
         events of the failed iteration, reshard, and clear its per-iteration state. An older
         torch (2.11 on the device image) gets the same steps from :func:`reset_iter_state`."""
-        own = getattr(self.module, "reset_iter_state", None)
+        own = getattr(self.root, "reset_iter_state", None)
         with on_stream(self._stream):
             if own is not None:
                 own()
             else:
                 try:
-                    reset_iter_state(self.module)
+                    reset_iter_state(self.root)
                 except Exception as exc:  # FSDP2's internals moved: name it, with the way on
                     raise CaptureError(
                         "a capture failed inside FSDP2's forward or backward, and FSDP2's state "
@@ -265,7 +269,7 @@ class FSDP2(DataParallel):
                         "graph='never' (the capture's own failure is below), or upgrade torch "
                         "to 2.12 or later."
                     ) from exc
-        _drop_unsharded_gradients(self.module)
+        _drop_unsharded_gradients(self.root)
 
     # ----------------------------------------------------------------- before a capture
     def before_capture(self) -> str | None:
@@ -274,7 +278,7 @@ class FSDP2(DataParallel):
         ``loss`` kept): the capture would reuse nodes made on another stream and fail. Where
         live tensors hold it (the usual case), the parameters get new accumulators here and the
         capture proceeds; the returned text names it either way (None: nothing found)."""
-        leaves = unsharded_leaves(self.module)
+        leaves = unsharded_leaves(self.root)
         earlier = find_earlier_graph(leaves)
         if earlier is None:
             self._capture_hint = None
@@ -498,12 +502,34 @@ def _reshard_after_no_grad_forward(module: nn.Module, args: Any, output: Any) ->
 
 
 # --------------------------------------------------------------------- checks and sharding
+def sharded_root(module: nn.Module) -> nn.Module:
+    """FSDP2's root for the module TrainStep calls: ``module`` itself if ``fully_shard`` was run
+    on it, else the one sharded submodule that holds every parameter (``module`` only wraps it,
+    as GraphTrainer's loss module wraps the model the Trainer sharded). Refuses a model whose
+    blocks were sharded without the root, and a DDP inside."""
+    check_sharded_root(module)
+    if is_fsdp2(module):
+        return module
+    outer: list[nn.Module] = [
+        sub
+        for name, sub in module.named_modules()
+        if is_fsdp2(sub) and not any(is_fsdp2(module.get_submodule(a)) for a in _ancestors(name))
+    ]
+    return outer[0]
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def check_sharded_root(module: nn.Module) -> None:
-    """The module TrainStep calls must be FSDP2's root, and must not also be DDP-wrapped."""
+    """The module TrainStep calls must be FSDP2's root, or a module around it with no parameters
+    of its own, and must not also be DDP-wrapped."""
     from torch.nn.parallel import DistributedDataParallel
 
     sharded = find_fsdp2(module)
-    if sharded and "" not in sharded:
+    if sharded and "" not in sharded and not _wraps_one_root(module, sharded):
         raise ConfigError(
             f"the model's submodules {sharded[:3]} were sharded with fully_shard, but the model "
             "itself was not; call fully_shard(model) last (the root), as FSDP2's docs do."
@@ -515,6 +541,16 @@ def check_sharded_root(module: nn.Module) -> None:
             f"({wrapped[0] or 'the root'}); use one of them: pass the fully_shard-ed module "
             "without DDP (FSDP2 reduces the gradients itself)."
         )
+
+
+def _wraps_one_root(module: nn.Module, sharded: list[str]) -> bool:
+    """Whether ``module`` only wraps one sharded root: one outermost sharded submodule, and
+    every parameter of ``module`` inside it."""
+    outer = [n for n in sharded if not any(a in sharded for a in _ancestors(n))]
+    if len(outer) != 1:
+        return False
+    inside = {id(p) for p in module.get_submodule(outer[0]).parameters()}
+    return all(id(p) in inside for p in module.parameters())
 
 
 def check_not_fsdp1(model: object) -> None:
