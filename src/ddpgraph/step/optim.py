@@ -126,8 +126,10 @@ def keep_scheduler_lrs_floats() -> None:
     checkpoint state_dict: lr_scheduler._last_lr.0"). Each ``state_dict`` defined in
     ``torch.optim.lr_scheduler`` (LRScheduler's and the subclasses' own, e.g. LambdaLR's) is
     wrapped to write those lists as floats for such an optimizer only: one host read per LR, at
-    save time. Loading takes either (``load_state_dict`` keeps what it is given; the next
-    ``step()`` writes tensors again, which the next save writes as floats)."""
+    save time. Each ``load_state_dict`` is wrapped to give ``base_lrs`` back the type the loading
+    scheduler holds (a float32 tensor where a scheduler built after the step computes its LRs on
+    tensors), so a resumed run computes its LRs as the uninterrupted run does, bit for bit
+    (float32 -> float -> float32 is exact); ``_last_lr`` stays as loaded until the next step."""
     from torch.optim import lr_scheduler
 
     for cls in vars(lr_scheduler).values():
@@ -136,6 +138,9 @@ def keep_scheduler_lrs_floats() -> None:
         own = cls.__dict__.get("state_dict")
         if own is not None and not getattr(own, _FLOATS_WRITTEN, False):
             cls.state_dict = _writing_float_lrs(own)  # type: ignore[method-assign]
+        load = cls.__dict__.get("load_state_dict")
+        if load is not None and not getattr(load, _FLOATS_WRITTEN, False):
+            cls.load_state_dict = _reading_lrs_as_held(load)  # type: ignore[method-assign]
 
 
 def _writing_float_lrs(state_dict: Any) -> Any:
@@ -151,6 +156,27 @@ def _writing_float_lrs(state_dict: Any) -> Any:
 
     setattr(wrapped, _FLOATS_WRITTEN, True)
     return wrapped
+
+
+def _reading_lrs_as_held(load_state_dict: Any) -> Any:
+    @functools.wraps(load_state_dict)
+    def wrapped(self: Any, state_dict: dict[str, Any]) -> None:
+        before = getattr(self, "base_lrs", None)  # what its LRs are computed from
+        load_state_dict(self, state_dict)
+        after = getattr(self, "base_lrs", None)
+        if getattr(self, "optimizer", None) not in _LR_MADE_TENSOR:
+            return
+        if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+            self.base_lrs = [_as_held(b, a) for b, a in zip(before, after)]
+
+    setattr(wrapped, _FLOATS_WRITTEN, True)
+    return wrapped
+
+
+def _as_held(held: Any, loaded: Any) -> Any:
+    if isinstance(held, torch.Tensor) and held.dim() == 0 and isinstance(loaded, float):
+        return torch.tensor(loaded, dtype=held.dtype, device=held.device)
+    return loaded
 
 
 def _as_float(value: Any) -> Any:
