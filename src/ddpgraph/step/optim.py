@@ -389,7 +389,7 @@ def describe_group_changes(
         for key in sorted(set(old) | set(new)):
             if old.get(key) == new.get(key):
                 continue
-            elif (g, key) in described:  # one stable text: Python shows it once
+            if (g, key) in described:  # one stable text: Python shows it once
                 lines.append(
                     f"optimizer param group {g}'s {key!r} changed again, and each change "
                     f"re-captures: a value a scheduler rewrites before every step makes a "
