@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ddpgraph import TrainStep
 from ddpgraph.step.optim import make_graph_safe
@@ -331,6 +332,90 @@ def test_dropout_draws_new_numbers_on_each_replay_as_the_eager_loop_does():
     assert len({float(v) for v in losses[WARMUP:]}) == 20 - WARMUP
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert_same_parameters(model, ref)
+
+
+class _CheckpointedDropout(nn.Module):
+    """Activation checkpointing over a dropout block: the recompute in backward must draw the
+    forward's mask (torch.utils.checkpoint saves and restores the generator's state for it)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed, self.a = nn.Linear(8, 8), nn.Linear(8, 16)
+        self.drop, self.b = nn.Dropout(0.3), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the block's input requires grad (as a transformer layer's does), or the reentrant
+        # form would give its parameters no gradient at all
+        block = lambda t: self.drop(torch.relu(self.a(t)))  # noqa: E731
+        return self.b(checkpoint(block, self.embed(x), use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_checkpointed_recompute_draws_its_forwards_numbers_on_every_replay(reentrant):
+    # CUDA capture (torch 2.10+, pytorch#162505) takes checkpoint's state read and restore as a
+    # rewind of the generator's offset; recorded without it, a replay's recompute drew the next
+    # numbers and the run parted from the eager loop at the first replay
+    def make():
+        torch.manual_seed(0)
+        return _CheckpointedDropout(reentrant)
+
+    data = batches(20, 8)
+    model = make()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss())
+    torch.manual_seed(7)
+    losses = [step(x, y) for x, y in data]
+    ref = make()
+    opt = sgd(ref)
+    make_graph_safe(opt, torch.device("cpu"))
+    torch.manual_seed(7)
+    ref_losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.detach())
+    assert step.report().replays == 20 - WARMUP
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert_same_parameters(model, ref)
+
+
+_READ_BEFORE = torch.random.get_rng_state()
+
+
+@pytest.mark.parametrize(
+    "name, fn",
+    [
+        ("torch.manual_seed", lambda: torch.manual_seed(3)),
+        ("torch.random.manual_seed", lambda: torch.random.manual_seed(3)),
+        ("torch.seed", lambda: torch.seed()),
+        ("a state read before the capture", lambda: torch.set_rng_state(_READ_BEFORE)),
+    ],
+)
+def test_a_seed_or_a_foreign_state_set_during_capture_is_refused_with_cudas_error(name, fn):
+    originals = (torch.manual_seed, torch.seed, torch.get_rng_state, torch.set_rng_state)
+    state = torch.random.get_rng_state()
+    with pytest.raises(CaptureRefused, match="set_current_seed can be called during stream"):
+        record(fn)
+    assert (torch.manual_seed, torch.seed, torch.get_rng_state, torch.set_rng_state) == originals
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_state_read_and_set_back_in_a_capture_is_replayed_as_a_rewind():
+    def draw_twice():
+        state = torch.get_rng_state()
+        first = torch.rand(3)
+        torch.set_rng_state(state)
+        return first, torch.rand(3)
+
+    (first, second), program = record(draw_twice)
+    drawn = []
+    for _ in range(3):
+        program.replay()
+        assert torch.equal(first, second)  # the rewind: the same numbers twice in one replay
+        drawn.append(first.clone())
+    assert not torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[1], drawn[2])
 
 
 # ---------------------------------------------------------------- collectives

@@ -158,21 +158,7 @@ def _check_group(rows: dict[str, dict], tmp_path) -> list[dict]:
 @pytest.mark.timeout(RUN_S + 60)
 @pytest.mark.parametrize(
     "group",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="its row 'gradient checkpointing' replays apart from the graph-safe plain "
-                "Trainer from the first replayed step (step 13: loss 4.03260 vs 4.03375, wte "
-                "1.1e-4 apart; the recomputed forward inside backward under the CPU engine, "
-                "cause not found yet); its 12 other rows pass",
-            ),
-        )
-        if name == "training"
-        else name
-        for name in sorted(CORE)
-    ],
+    sorted(CORE),
 )
 def test_trainer_features_train_bit_for_bit_as_the_trainer(group, tmp_path):
     results = _check_group(CORE[group], tmp_path)

@@ -118,6 +118,21 @@ CAPTURE_AND_DDP: tuple[Known, ...] = (
         "(training needs no KV cache) and attn_implementation='sdpa', or pass a prebuilt 4-D "
         "float attention mask",
     ),
+    _single(
+        "capture-generator-state",
+        r"Cannot call CUDAGeneratorImpl::\w+ during CUDA graph capture"
+        r"|set_current_seed can be called during stream capture only if new seed is the same",
+        "the random generator's state read or set inside CUDA-graph capture",
+        "the captured code reads or sets the generator's seed and offset: before torch 2.10 "
+        "any read or set (torch.utils.checkpoint saving the state for its recompute, "
+        "preserve_rng_state=True, its default; flash-attn's dropout; torch.compile tracing a "
+        "new frame during capture), from torch 2.10 on a new seed (torch.manual_seed in the "
+        "step) or a state read outside the capture",
+        "upgrade to torch 2.10 or later, where a state read and set back within the capture "
+        "(torch.utils.checkpoint's) is captured as a rewind; seed and compile before the step, "
+        "not inside it; on older torch, where the checkpointed blocks draw no random numbers "
+        "(no dropout, as in Llama-style models), pass preserve_rng_state=False",
+    ),
     _known(
         "capture-not-permitted",
         r"operation not permitted when stream is capturing|cudaErrorStreamCaptureUnsupported"

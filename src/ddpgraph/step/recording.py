@@ -30,6 +30,14 @@ autograd, no module or tensor hooks. What CUDA's capture gives, this gives too:
   Not seen: what reads a CPU tensor's memory without an operation (``.tolist()``, ``.numpy()``),
   which on CUDA would be a device-to-host copy (refused there), and kernels that run below the
   dispatcher (Inductor's: the engine refuses a model compiled with it, :mod:`.engine`).
+* **The generator's state.** CUDA capture (torch 2.10+) lets a state read and set back within
+  the capture rewind the generator's offset (pytorch#162505): ``torch.utils.checkpoint`` saves
+  the state in the forward and restores it for the recompute (``preserve_rng_state=True``).
+  Here ``torch.get_rng_state()`` during a recording adds an operation that refills the returned
+  state tensor with the replay's state, and ``set_rng_state`` of that tensor one that restores
+  it, so each replay's recompute draws its own forward's numbers. Setting a seed
+  (``manual_seed``, ``seed``) or a state not read in the capture raises
+  :class:`CaptureRefused` with CUDA's error.
 
 Random numbers: a replayed ``dropout`` draws new numbers, from the CPU's generator in the order
 the operations run, the same numbers an eager step at that point would draw. CUDA's graph reads
@@ -127,7 +135,7 @@ def record(run: Callable[[], Any]) -> tuple[Any, Program]:
     # a CUDA capture draws no random number either: a replay advances the generator, not this
     rng = torch.random.get_rng_state()
     try:
-        with recorder, _capturing(), _storage_resizes(recorder):
+        with recorder, _capturing(), _storage_resizes(recorder), _generator_state(recorder):
             result = run()
     finally:
         recorder.restore()
@@ -169,6 +177,71 @@ def _capturing() -> Iterator[None]:
         yield
     finally:
         torch.cuda.is_current_stream_capturing = original
+
+
+@contextlib.contextmanager
+def _generator_state(recorder: _Recorder) -> Iterator[None]:
+    """The generator's state calls as CUDA capture takes them (torch 2.10+, pytorch#162505): a
+    state read during capture and set back later is a rewind the replay repeats (the read
+    refills the same state tensor with the replay's state, the set restores it), so a
+    checkpoint's recompute draws its forward's numbers on every replay; a seed set during
+    capture is refused with CUDA's error. ``torch.X`` and ``torch.random.X`` both, the names
+    libraries call."""
+    get_state, set_state = torch.random.get_rng_state, torch.random.set_rng_state
+    read: list[torch.Tensor] = []
+
+    def get_rng_state() -> torch.Tensor:
+        state = get_state()
+        read.append(state)
+        recorder.ops.append(_Op(_refill, (state, get_state), {}, (), collective=False))
+        return state
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        if not any(new_state is state for state in read):
+            raise CaptureRefused(
+                f"{_SEED_DURING_CAPTURE}\n(ddpgraph's CPU graphs refuse what CUDA capture "
+                "refuses: torch.set_rng_state with a state not read in this capture)"
+            )
+        set_state(new_state)
+        recorder.ops.append(_Op(set_state, (new_state,), {}, (), collective=False))
+
+    patched: dict[str, Callable[..., Any]] = {
+        "get_rng_state": get_rng_state,
+        "set_rng_state": set_rng_state,
+        "manual_seed": _seed_refused("torch.manual_seed"),
+        "seed": _seed_refused("torch.seed"),
+    }
+    originals = {name: getattr(torch.random, name) for name in patched}
+    for module in (torch, torch.random):
+        for name, replacement in patched.items():
+            setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module in (torch, torch.random):
+            for name, original in originals.items():
+                setattr(module, name, original)
+
+
+# CUDAGeneratorImpl::set_current_seed during capture (torch 2.10+; before it, every state call)
+_SEED_DURING_CAPTURE = (
+    "CUDAGeneratorImpl::set_current_seed can be called during stream capture only if new seed "
+    "is the same as the original seed."
+)
+
+
+def _refill(state: torch.Tensor, get_state: Callable[[], torch.Tensor]) -> None:
+    state.copy_(get_state())
+
+
+def _seed_refused(name: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CaptureRefused(
+            f"{_SEED_DURING_CAPTURE}\n(ddpgraph's CPU graphs refuse what CUDA capture refuses: "
+            f"{name} seeds the generator)"
+        )
+
+    return refuse
 
 
 class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
