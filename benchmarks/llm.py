@@ -7,10 +7,18 @@ in bf16 on CUDA; the plain trainer and its graphed form (``graphed(SFTTrainer)``
 ``--measure-from`` (past warm-up and capture) and the end, each end behind a device sync;
 tokens/s counts the batch's padded positions (``batch × max_length`` a step; packed: the
 packed length). The JSON has each run's rates, its last logged loss, the graphed run's report
-and replayed fraction (replays / step calls), and the ratios.
+and replayed fraction (replays / step calls), the ratios, and whether the logged losses are
+equal (``losses_equal``; for ``sft-packed`` the plain run's packed rows are not padded to the
+graphed run's fixed capacity, so its losses may differ in the last bits: tests/ compare with a
+plain run padded the same).
 
     python benchmarks/llm.py --model small --out benchmarks/results/llm-small.json   # CUDA
+    python benchmarks/llm.py --model small --cpu --out /tmp/llm-small-cpu.json   # CPU trial
     python benchmarks/llm.py --smoke --out /tmp/llm-smoke.json    # CPU: tiny, CPU graph engine
+
+``--cpu`` tries any model on the CPU through the CPU graph engine (fp32, fewer and shorter
+steps unless given: the path end to end and the JSON's fields, never GPU figures); the JSON
+says so (``"figures": "cpu-trial"``).
 
 Workloads: ``sft`` (padded to ``--seq``: one shape), ``sft-packed`` (``packing=True``), ``lora``
 (transformers' Trainer on a PEFT LoRA model, r=16 on q/v). A run that raises is recorded with its
@@ -89,7 +97,7 @@ def _run(workload: str, mode: str, opts: argparse.Namespace) -> dict[str, Any]:
     from ddpgraph.integrations.transformers import GraphTrainer, graphed
 
     vocab = MODELS[opts.model][5]
-    cuda = torch.cuda.is_available()
+    cuda = not opts.cpu
     model = llama(opts.model, opts.seq)
     n = opts.steps * opts.batch
     common = dict(
@@ -191,21 +199,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--measure-from", type=int, default=40)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=512)
-    parser.add_argument("--smoke", action="store_true", help="a tiny CPU run (CPU graph engine)")
+    parser.add_argument("--steps", type=int, help="optimizer steps (CUDA 200, CPU 20)")
+    parser.add_argument("--measure-from", type=int, help="the first timed step (40; CPU 14)")
+    parser.add_argument("--batch", type=int, help="rows a step (8; CPU 2)")
+    parser.add_argument("--seq", type=int, help="max_length (512; CPU 64)")
+    parser.add_argument("--cpu", action="store_true", help="a trial on the CPU (CPU graph engine)")
+    parser.add_argument("--smoke", action="store_true", help="--cpu with the tiny model")
     parser.add_argument("--attn", default="sdpa", help="sdpa, or flash_attention_2 where installed")
     parser.add_argument("--out", default=None)
     opts = parser.parse_args()
     if opts.smoke:
-        opts.model, opts.steps, opts.measure_from, opts.batch, opts.seq = "tiny", 16, 13, 4, 32
-    elif not torch.cuda.is_available():
+        opts.cpu, opts.model = True, "tiny"
+        shape = {"steps": 16, "measure_from": 13, "batch": 4, "seq": 32}
+    elif opts.cpu:
+        # past the warm-up and the capture (replays from about step 13), in minutes on 2 cores
+        shape = {"steps": 20, "measure_from": 14, "batch": 2, "seq": 64}
+    elif torch.cuda.is_available():
+        shape = {"steps": 200, "measure_from": 40, "batch": 8, "seq": 512}
+    else:
         parser.error(
-            "no CUDA device: this benchmark measures the GPU (bf16, CUDA graphs); pass --smoke "
-            "for a tiny CPU run through the CPU graph engine"
+            "no CUDA device: this benchmark measures the GPU (bf16, CUDA graphs); pass --cpu "
+            "(any model) or --smoke (the tiny one) for a trial through the CPU graph engine"
         )
+    for key, value in shape.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    if opts.measure_from >= opts.steps:
+        parser.error(f"--measure-from {opts.measure_from} must be below --steps {opts.steps}")
     global ATTENTION
     ATTENTION = opts.attn
     workloads = [w for w in opts.workloads.split(",") if w]
@@ -218,11 +238,16 @@ def main() -> None:
         plain, ours = runs[workload]["plain"], runs[workload]["graphed"]
         if "error" not in plain and "error" not in ours:
             runs[workload]["speedup"] = ours["steps_per_s"] / plain["steps_per_s"]
+            runs[workload]["losses_equal"] = ours["losses"] == plain["losses"]
         print(workload, {m: r.get("steps_per_s", r.get("error")) for m, r in runs[workload].items()
                          if isinstance(r, dict)}, flush=True)  # fmt: skip
+    on_gpu = not opts.cpu
     result = {
         "commit": commit(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "figures": "gpu" if on_gpu else "cpu-trial",  # a CPU trial's rates are not GPU figures
+        "precision": "bf16" if on_gpu else "fp32",
+        "engine": "CUDA graphs" if on_gpu else "ddpgraph.testing.CpuGraphs",
         "versions": versions(),
         "config": vars(opts),
         "parameters": sum(p.numel() for p in llama(opts.model, opts.seq).parameters()),
@@ -232,6 +257,7 @@ def main() -> None:
     if opts.out:
         with open(opts.out, "w") as f:
             f.write(text + "\n")
+        print("wrote", opts.out, flush=True)
 
 
 if __name__ == "__main__":

@@ -121,6 +121,9 @@ def run_trainer(
         "report": str(trainer.report()) if graphed else None,
         "rank": int(os.environ.get("RANK", 0)),
         "sharded": _sharded_modules(trainer.model),
+        # what Accelerate's no_sync branches on at every micro-batch (FSDP2: the model's
+        # set_requires_gradient_sync), read after training
+        "fsdp2_no_sync": bool(trainer.accelerator.is_fsdp2),
     }
 
 
@@ -163,10 +166,18 @@ def fsdp2_on_the_cpu(trainer_class: Any) -> Any:
     the CPU (MULTI_CPU) it drops the plugin and the Trainer trains with DDP. Set here what that
     branch sets, before anything is prepared, so the Trainer's real FSDP2 path runs on gloo:
     Accelerate's ``fully_shard`` of each block, the embeddings and the head, its ``no_sync``,
-    its FSDP2 checkpoint save and load."""
+    its FSDP2 checkpoint save and load.
+
+    The branch also writes the type into ``PartialState``'s shared state: every later
+    ``AcceleratorState()`` copies that state over its own (``AcceleratedOptimizer`` makes one in
+    the Trainer's ``prepare(model, optimizer)``), so a type set on ``AcceleratorState`` alone is
+    MULTI_CPU again by the first micro-batch, and ``accelerator.no_sync`` leaves FSDP2's
+    gradient sync on: the plain Trainer then reduce-scattered every micro-batch (8 reduces a
+    window of 2 against 4), its gradients 1 ulp from FSDP2's accumulate-then-reduce."""
 
     class FSDP2OnTheCpu(trainer_class):  # type: ignore[misc, valid-type]
         def create_accelerator_and_postprocess(self) -> None:
+            from accelerate.state import PartialState
             from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
             super().create_accelerator_and_postprocess()
@@ -174,6 +185,7 @@ def fsdp2_on_the_cpu(trainer_class: Any) -> Any:
             assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
             assert getattr(state, "fsdp_plugin", None) is None  # dropped on the CPU
             state.distributed_type = DistributedType.FSDP
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
             state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
             self.is_fsdp_enabled = True
 
