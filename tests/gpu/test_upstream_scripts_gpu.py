@@ -4,9 +4,11 @@ backbone, OneCycleLR over Adam, evaluation through ``train_step.model``, in floa
 Written, not run: torchvision and timm do not import on the CPU build of torch, and no GPU has
 run it yet. The worker is tests/upstream_cv.py.
 
-Command (GPU machine, the repository's venv with ``pip install timm``)::
+Command on the GPU machine (which gets the checkout without ../shared: copy the script's folder
+into one that ``.git/info/exclude`` ignores, e.g. ``.upstream/``, and carry it; the GPU image
+has timm and torchvision)::
 
-    python -m pytest -q tests/gpu/test_upstream_scripts_gpu.py
+    DDPGRAPH_UPSTREAM=.upstream python -m pytest -q tests/gpu/test_upstream_scripts_gpu.py
 """
 
 from __future__ import annotations
