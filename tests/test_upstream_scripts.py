@@ -10,8 +10,10 @@ gradient_accumulation_for_autoregressive_models.py. Not here: torchvision's and 
 Accelerate's complete_cv_example.py need torchvision, and the package index has no CPU build of
 torchvision for torch 2.13 (its 0.28.0 wheel is the CUDA build: ``import torchvision`` fails
 with "operator torchvision::nms does not exist" and takes transformers' image utilities with
-it). No test runs those three as written yet, here or in tests/gpu: their habits are tested on
-loops of their own shape (tests/test_recipes.py, tests/test_recipe_windows.py).
+it). complete_cv_example.py runs as written in tests/gpu/test_upstream_scripts_gpu.py (written,
+not yet run on a GPU; its port is checked here); no test runs the two train.py as written yet:
+their habits are tested on loops of their own shape (tests/test_recipes.py,
+tests/test_recipe_windows.py).
 """
 
 from __future__ import annotations
