@@ -56,11 +56,11 @@ def _replays(report: str) -> int:
     return int(found.group(1))
 
 
-def _glue(tmp_path, variant: str, flags: list[str], precision="no", out="", **kwargs):
+def _glue(tmp_path, variant: str, flags: list[str], precision="no", out="", pad=True, **kwargs):
     for package in ("accelerate", "datasets", "evaluate", "transformers"):  # all in .[dev]
         pytest.importorskip(package)
     script = upstream.script(upstream_glue.FOLDER, upstream_glue.NAME)
-    args = (str(tmp_path), str(script), variant, flags, precision, out)
+    args = (str(tmp_path), str(script), variant, flags, precision, out, pad)
     return run_distributed(upstream_glue.run, 2, args=args, timeout=RUN_S, **kwargs)
 
 
@@ -131,6 +131,23 @@ def test_run_glue_no_trainer_flag_matrix_ported_is_the_script_bit_for_bit(tmp_pa
     original = _glue(tmp_path, "graph_safe", flags, precision)
     port = _glue(tmp_path, "hand", flags, precision)
     _glue_same(port, original, tmp_path / "hand", tmp_path / "graph_safe", updates, evaluations)
+
+
+def test_run_glue_no_trainer_dynamic_padding_ported_is_the_script_bit_for_bit(tmp_path):
+    """The script's default padding (no ``--pad_to_max_length``: ``DataCollatorWithPadding``
+    pads each batch to its longest sentence) on sentences of 2 to 8 words, k = 2: batches of
+    several lengths; the step captures the first length after its warm-up and replays it where
+    it comes back, and runs the others eagerly (``on_new_shape="eager"``, the default; measured:
+    41 calls, 24 warm-up, 3 replayed, 14 eager); compared as the flag matrix's."""
+    flags = ["--gradient_accumulation_steps", "2", "--num_train_epochs", "4"]
+    flags += ["--lr_scheduler_type", "linear", "--learning_rate", "1e-3"]
+    upstream_glue.make_inputs(tmp_path, varied=True)
+    original = _glue(tmp_path, "graph_safe", flags, pad=False)
+    port = _glue(tmp_path, "hand", flags, pad=False)
+    _glue_same(port, original, tmp_path / "hand", tmp_path / "graph_safe", 24, 4)
+    report = port[0]["report"]
+    eager, warmup = (int(re.search(rf"\b{k}=(\d+)", report)[1]) for k in ("eager", "warm-up"))
+    assert eager > warmup, report  # batches of another length than the captured one ran eagerly
 
 
 def test_run_glue_no_trainer_resumed_mid_epoch_ported_is_the_script_bit_for_bit(tmp_path):

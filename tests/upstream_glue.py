@@ -128,8 +128,9 @@ FIRST_DIFF_PORT = [
 ]
 
 
-def make_inputs(folder: Path) -> None:
-    """The tiny model, tokenizer, data and metric the script reads (no hub)."""
+def make_inputs(folder: Path, varied: bool = False) -> None:
+    """The tiny model, tokenizer, data and metric the script reads (no hub): sentences of 5
+    words, or (``varied``) of 2 to 8, so that dynamic padding gives batches of several lengths."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
     model_dir = folder / "model"
@@ -147,7 +148,8 @@ def make_inputs(folder: Path) -> None:
     for name, rows in (("train.csv", ROWS), ("validation.csv", EVAL_ROWS)):
         lines = ["sentence,label"]
         for _ in range(rows):
-            words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (5,), generator=gen)]
+            n = 2 + int(torch.randint(7, (), generator=gen)) if varied else 5
+            words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (n,), generator=gen)]
             lines.append(f"{' '.join(words)},{int(sum(_WORDS.index(w) < 5 for w in words) > 2)}")
         (folder / name).write_text("\n".join(lines) + "\n")
     (folder / "accuracy").mkdir()
@@ -155,13 +157,21 @@ def make_inputs(folder: Path) -> None:
 
 
 def run(
-    folder: str, script: str, variant: str, flags: list[str], precision: str = "no", out: str = ""
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    precision: str = "no",
+    out: str = "",
+    pad: bool = True,
 ) -> dict[str, Any]:
     """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
     at ``accelerator.prepare``, outside the script), or of its port ("hand" or "first_diff"),
     with ``flags``, under ``accelerate launch --mixed_precision precision`` (the script has no
     flag of its own: its ``Accelerator()`` reads what the launcher exports), writing into
-    ``folder/out`` (``folder/variant`` by default); what it recorded."""
+    ``folder/out`` (``folder/variant`` by default), every batch padded to 12 tokens (``pad``,
+    ``--pad_to_max_length``) or to its longest sentence (the script's default); what it
+    recorded."""
     base = Path(folder)
     output_dir = base / (out or variant)
     os.environ["ACCELERATE_MIXED_PRECISION"] = precision  # as accelerate launch exports it
@@ -183,9 +193,11 @@ def run(
     sys.argv = [
         str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
         "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
-        "--per_device_eval_batch_size", "4", "--pad_to_max_length", "--max_length", "12",
+        "--per_device_eval_batch_size", "4", "--max_length", "12",
         "--seed", "0", "--output_dir", str(output_dir), *flags,
     ]  # fmt: skip
+    if pad:
+        sys.argv.append("--pad_to_max_length")
     runpy.run_path(str(path), run_name="__main__")
     return record
 
