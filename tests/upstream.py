@@ -7,6 +7,7 @@ the pinned script fails here)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,18 @@ from typing import Any
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-UPSTREAM = REPO_ROOT.parent / "shared" / "upstream"
+# DDPGRAPH_UPSTREAM: a copy of the folder where ../shared does not travel (the GPU machine gets
+# the checkout alone: copy it into a folder .git/info/exclude ignores and carry that)
+UPSTREAM = Path(os.environ.get("DDPGRAPH_UPSTREAM") or REPO_ROOT.parent / "shared" / "upstream")
 
 
 def script(folder: str, name: str) -> Path:
-    """``../shared/upstream/<folder>/<name>``, its SHA-256 checked; skipped (with the reason)
-    only where ``../shared`` is absent."""
-    if not (REPO_ROOT.parent / "shared").is_dir():
-        pytest.skip(f"no ../shared beside the checkout ({REPO_ROOT.parent / 'shared'})")
+    """``../shared/upstream/<folder>/<name>`` (or under ``$DDPGRAPH_UPSTREAM``), its SHA-256
+    checked; skipped (with the reason) only where that folder is absent."""
+    if not UPSTREAM.is_dir():
+        pytest.skip(
+            f"no {UPSTREAM} (../shared/upstream beside the checkout, or $DDPGRAPH_UPSTREAM)"
+        )
     path = UPSTREAM / folder / name
     listed = dict(
         re.findall(r"^\| (\S+) \| ([0-9a-f]{64}) \|$", _read(UPSTREAM / folder / "SOURCE.md"), re.M)

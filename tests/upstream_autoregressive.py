@@ -143,21 +143,24 @@ def make_inputs(folder: Path) -> None:
         (data / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
-def run(folder: str, script: str, variant: str, k: int) -> dict[str, Any]:
+def run(
+    folder: str, script: str, variant: str, k: int, flags: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
     as the port's is, outside the script) or of its port ("port") at
-    ``--gradient_accumulation_steps k``; what it recorded."""
+    ``--gradient_accumulation_steps k`` and the script's other ``flags``; what it recorded."""
     base = Path(folder)
     text = Path(script).read_text(encoding="utf-8")
     if variant == "port":
         text = ported(text, PORT)
-    path = base / f"{variant}_{k}_{NAME}"
+    name = "_".join([variant, str(k), *(flag.lstrip("-") for flag in flags)])
+    path = base / f"{name}_{NAME}"
     ready_to_run(base, path, text)
     os.environ["HF_HUB_CACHE"] = str(base / "hub")  # the script's model name is found here
-    os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / f"{variant}{k}")
+    os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / name)
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": []}
     _record(record, base / "wikitext", variant == "port", variant == "graph_safe")
-    sys.argv = [str(path), "--gradient_accumulation_steps", str(k)]
+    sys.argv = [str(path), "--gradient_accumulation_steps", str(k), *flags]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         runpy.run_path(str(path), run_name="__main__")

@@ -14,7 +14,9 @@ unchanged apart from the guide's lines).
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -126,8 +128,9 @@ FIRST_DIFF_PORT = [
 ]
 
 
-def make_inputs(folder: Path) -> None:
-    """The tiny model, tokenizer, data and metric the script reads (no hub)."""
+def make_inputs(folder: Path, varied: bool = False) -> None:
+    """The tiny model, tokenizer, data and metric the script reads (no hub): sentences of 5
+    words, or (``varied``) of 2 to 8, so that dynamic padding gives batches of several lengths."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
     model_dir = folder / "model"
@@ -145,19 +148,33 @@ def make_inputs(folder: Path) -> None:
     for name, rows in (("train.csv", ROWS), ("validation.csv", EVAL_ROWS)):
         lines = ["sentence,label"]
         for _ in range(rows):
-            words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (5,), generator=gen)]
+            n = 2 + int(torch.randint(7, (), generator=gen)) if varied else 5
+            words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (n,), generator=gen)]
             lines.append(f"{' '.join(words)},{int(sum(_WORDS.index(w) < 5 for w in words) > 2)}")
         (folder / name).write_text("\n".join(lines) + "\n")
     (folder / "accuracy").mkdir()
     (folder / "accuracy" / "accuracy.py").write_text(METRIC)
 
 
-def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, Any]:
+def run(
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    precision: str = "no",
+    out: str = "",
+    pad: bool = True,
+) -> dict[str, Any]:
     """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
     at ``accelerator.prepare``, outside the script), or of its port ("hand" or "first_diff"),
-    with ``flags``; what it recorded."""
+    with ``flags``, under ``accelerate launch --mixed_precision precision`` (the script has no
+    flag of its own: its ``Accelerator()`` reads what the launcher exports), writing into
+    ``folder/out`` (``folder/variant`` by default), every batch padded to 12 tokens (``pad``,
+    ``--pad_to_max_length``) or to its longest sentence (the script's default); what it
+    recorded."""
     base = Path(folder)
-    out = base / variant
+    output_dir = base / (out or variant)
+    os.environ["ACCELERATE_MIXED_PRECISION"] = precision  # as accelerate launch exports it
     text = Path(script).read_text(encoding="utf-8")
     if variant in ("hand", "first_diff"):
         text = ported(text, HAND_PORT if variant == "hand" else FIRST_DIFF_PORT)
@@ -166,6 +183,7 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / variant)
     os.environ["HF_MODULES_CACHE"] = str(base / "modules")
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "metrics": []}
+    record["printed"] = []
     # the port's losses are train_step's returns; not for the refused first diff, whose error
     # names the line that called the step (the script's, not a wrapper's)
     script = variant in ("original", "graph_safe")
@@ -175,9 +193,11 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     sys.argv = [
         str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
         "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
-        "--per_device_eval_batch_size", "4", "--pad_to_max_length", "--max_length", "12",
-        "--seed", "0", "--output_dir", str(out), *flags,
+        "--per_device_eval_batch_size", "4", "--max_length", "12",
+        "--seed", "0", "--output_dir", str(output_dir), *flags,
     ]  # fmt: skip
+    if pad:
+        sys.argv.append("--pad_to_max_length")
     runpy.run_path(str(path), run_name="__main__")
     return record
 
@@ -214,18 +234,36 @@ def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) ->
     if step_losses:
         record_step_losses(record)
     graphs_on_the_cpu_engine()
+    logging.getLogger("__main__").addHandler(_Printed(record["printed"]))
 
 
-def saved(out: Path) -> dict[str, list[torch.Tensor]]:
+class _Printed(logging.Handler):
+    """The lines the script logs on rank 0 with its evaluation ("epoch 0: {'accuracy': ...}",
+    through Accelerate's logger on the script's ``__main__`` logger)."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__()
+        self.lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()  # accelerate 1.16 starts it with "[RANK 0] "
+        if re.match(r"(\[RANK \d+\] )?epoch \d+: ", line):
+            self.lines.append(line)
+
+
+def saved(out: Path) -> dict[str, Any]:
     """Every tensor of each file ``save_state`` / ``save_pretrained`` wrote under ``out``, by
-    relative path (read once every rank has finished)."""
+    relative path, and the bytes of each rank's RNG states (``random_states_<rank>.pkl``: what a
+    resume restores) (read once every rank has finished)."""
     from safetensors.torch import load_file
 
-    found: dict[str, list[torch.Tensor]] = {}
+    found: dict[str, Any] = {}
     for path in sorted(out.rglob("*")):
         name = str(path.relative_to(out))
         if path.suffix == ".safetensors":
             found[name] = tensors_of(load_file(path))
         elif path.suffix == ".bin":
             found[name] = tensors_of(torch.load(path, weights_only=False))
+        elif path.name.startswith("random_states_"):
+            found[name] = path.read_bytes()
     return found

@@ -1,0 +1,146 @@
+"""Accelerate's ``complete_cv_example.py`` (pinned in ../shared/upstream/), run as written and as
+the Accelerate guide's first diff ports it: the worker of tests/gpu/test_upstream_scripts_gpu.py.
+It needs torchvision and timm, which do not import on the CPU build of torch (torchvision's
+``_C.so`` links libtorch_cuda), so it runs on the GPU machine only; the CPU suite checks that
+the port's edits apply to the pinned script (tests/test_upstream_scripts.py).
+
+The script runs unchanged through ``runpy``, with a folder of JPEGs named as the Oxford pets
+(``<label>_<n>.jpg``, its ``extract_label``) and timm's ``create_model`` called with
+``pretrained=False`` (no hub on the GPU machine: patched outside the script). Recorded from
+outside it: each training loss (``accelerator.backward``'s argument in the original, the step's
+return in the port), at each prepared scheduler's ``step()`` the LR and every parameter, each
+evaluation forward's logits, and the lines it prints ("epoch 0: 51.00")."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import runpy
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .upstream import ported, record_step_losses, record_updates
+
+FOLDER, NAME = "accelerate_complete_cv_example", "complete_cv_example.py"
+IMAGES = 500  # 400 to train: 7 batches of 64 an epoch, 21 steps in its 3 epochs (12 warm-up)
+
+# the Accelerate guide's first diff ("What changes"), for a loop without accumulate(): the loss
+# function goes to the step, `model = train_step.model` evaluates through the step's model
+PORT = [
+    (
+        "from accelerate import Accelerator, DataLoaderConfiguration\n",
+        "from accelerate import Accelerator, DataLoaderConfiguration\n"
+        "from ddpgraph import TrainStep\n",
+    ),
+    (
+        "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+        "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
+        "    )\n",
+        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+        "        train_dataloader, eval_dataloader, lr_scheduler\n"
+        "    )\n"
+        "    train_step = TrainStep.from_accelerator(\n"
+        "        accelerator, model, optimizer, torch.nn.functional.cross_entropy\n"
+        "    )\n"
+        "    model = train_step.model\n",
+    ),
+    (
+        "            outputs = model(inputs)\n"
+        '            loss = torch.nn.functional.cross_entropy(outputs, batch["label"])\n',
+        '            loss = train_step(inputs, batch["label"])\n',
+    ),
+    (
+        "            accelerator.backward(loss)\n"
+        "            optimizer.step()\n"
+        "            lr_scheduler.step()\n"
+        "            optimizer.zero_grad()\n",
+        "            lr_scheduler.step()\n",
+    ),
+]
+
+
+def make_images(folder: Path) -> None:
+    """``IMAGES`` small JPEGs of two labels, each label's images brighter in one channel."""
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for n in range(IMAGES):
+        label = n % 2
+        pixels = torch.randint(0, 160, (48, 48, 3), generator=gen, dtype=torch.uint8)
+        pixels[..., label] += 90
+        name = ("Abyssinian", "beagle")[label]
+        Image.fromarray(pixels.numpy()).save(folder / f"{name}_{n}.jpg")
+
+
+def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, Any]:
+    """The script ("graph_safe": its Adam made graph-safe at ``accelerator.prepare`` as the
+    port's TrainStep makes it, outside the script) or its port ("port"), with ``flags``, on
+    this process's GPU; what it recorded."""
+    import timm
+
+    base = Path(folder)
+    text = Path(script).read_text(encoding="utf-8")
+    if variant == "port":
+        text = ported(text, PORT)
+    path = base / f"{variant}_{'_'.join(f.lstrip('-') for f in flags)}_{NAME}"
+    path.write_text(text)
+    os.chdir(base)
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        os.environ[key] = "1"
+    record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": []}
+    record_updates(record)
+    create_model = timm.create_model
+
+    def created(name: str, pretrained: bool = False, **kwargs: Any) -> Any:
+        model = create_model(name, pretrained=False, **kwargs)  # no hub here
+
+        def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
+            if not module.training:
+                record["logits"].append(output.detach().float().cpu())
+
+        model.register_forward_hook(hook)
+        return model
+
+    timm.create_model = created  # the script imports it by name after this
+    if variant == "port":
+        record_step_losses(record)
+    else:
+        _graph_safe_original(record)
+    out = base / f"out_{variant}"
+    sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        runpy.run_path(str(path), run_name="__main__")
+    record["printed"] = [line for line in printed.getvalue().splitlines() if "epoch" in line]
+    record["losses"] = [loss.float().cpu() for loss in record["losses"]]
+    record["updates"] = [[t.cpu() for t in update] for update in record["updates"]]
+    record["report"] = record.get("report", "")
+    return record
+
+
+def _graph_safe_original(record: dict[str, Any]) -> None:
+    """The script's Adam made graph-safe where the port's TrainStep makes it, and each loss it
+    backpropagates recorded."""
+    from accelerate import Accelerator
+
+    from ddpgraph.step.optim import make_graph_safe
+
+    prepare, backward = Accelerator.prepare, Accelerator.backward
+
+    def prepared(self: Any, *objects: Any, **kwargs: Any) -> Any:
+        for item in objects:
+            if isinstance(item, torch.optim.Optimizer):
+                make_graph_safe(item, torch.device("cuda"))
+        return prepare(self, *objects, **kwargs)
+
+    def backward_recorded(self: Any, loss: torch.Tensor, **kwargs: Any) -> Any:
+        record["losses"].append(loss.detach().clone())
+        return backward(self, loss, **kwargs)
+
+    Accelerator.prepare = prepared  # type: ignore[method-assign]
+    Accelerator.backward = backward_recorded  # type: ignore[method-assign]
