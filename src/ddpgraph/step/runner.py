@@ -110,8 +110,9 @@ class Runner:
         self.follower = Follower(
             lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
         )
-        # guard="events" while graphed: the submodules' modes re-read only when the model's own
-        # mode changed (model.train() / model.eval()); see StepOptions.guard
+        # guard="events" while graphed: the submodules' modes re-read only when the guard's
+        # check saw the events' count move (any module's train() / eval()) or the model's own
+        # mode changed; see step/events.py
         self._events_only = events_only
         self._seen_modes: tuple[bool, ...] = ()
 
@@ -173,6 +174,7 @@ class Runner:
             submodules, modes = self._submodules, self._seen_modes
             if not (
                 self._events_only
+                and follower.guard.quiet
                 and self.state.phase is Phase.GRAPHED
                 and modes[:1] == (submodules[0].training,)
             ):  # every submodule's mode keys the graphs (C-level: no frame each)
