@@ -142,7 +142,7 @@ class Runner:
         parallel = self.body.parallel
         if parallel.checks_before_call:  # FSDP2: undo the script's unshard() first
             parallel.before_call()
-        wd = watchdog.active()
+        wd = watchdog.ACTIVE.value  # watchdog.active(), read without a call
         if wd is not None:  # a hang in this call becomes the watchdog's verdict
             graphed = self.state.phase is Phase.GRAPHED
             wd.enter("replay" if graphed else self.watch_phase(), self.report.steps)
@@ -155,8 +155,9 @@ class Runner:
             role: Role = "train"
             loss: torch.Tensor
             if win.plain and window is None:  # accumulate_calls=1: every call is a window
-                if parallel.script_sync() is False:
-                    win.begin(batch, last, False, None)  # raises: the script's sync control
+                if False in map(dict.get, parallel.sync_dicts, parallel.sync_keys):
+                    # the script turned a sync off: begin raises, naming its sync control
+                    win.begin(batch, last, parallel.script_sync(), None)
                 starts = False
             else:
                 starts = win.begin(batch, last, parallel.script_sync(), window)
