@@ -125,8 +125,6 @@ class Guard:
         self._roots = roots
         self._events_only = events_only  # guard="events": see StepOptions.guard
         self.optimizer: OptimizerBaseline | None = None
-        # the last check took the fast path: nothing anywhere moved the count or any read
-        self.quiet = False
         self.settle()
 
     # ----------------------------------------------------------------- baselines
@@ -203,11 +201,9 @@ class Guard:
         opt = self.optimizer
         try:
             if self.unchanged():
-                self.quiet = True
                 return None
         except (KeyError, TypeError):
             pass  # a slot deleted or no longer a tensor: the slow path below names it
-        self.quiet = False  # something may have changed: the runner re-reads the modes too
         seen = self._find()
         if opt is not None:
             opt.find(seen)

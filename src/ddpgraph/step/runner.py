@@ -45,6 +45,7 @@ from .batch import (
 )
 from .body import StepBody
 from .compiling import first_forward_failure
+from .events import changes as _changes
 from .follow import Follower
 from .graphs import (
     CapturedGraph,
@@ -110,11 +111,13 @@ class Runner:
         self.follower = Follower(
             lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
         )
-        # guard="events" while graphed: the submodules' modes re-read only when the guard's
-        # check saw the events' count move (any module's train() / eval()) or the model's own
-        # mode changed; see step/events.py
+        # guard="events" while graphed: the submodules' modes re-read only when the events'
+        # count moved since they were last read (any module's train() / eval(); the runner's own
+        # snapshot: a check by evaluate() or update() in between must not hide it) or the
+        # model's own mode changed; see step/events.py
         self._events_only = events_only
         self._seen_modes: tuple[bool, ...] = ()
+        self._modes_at = -1  # the count when the modes were read
 
     @property
     def parallel(self) -> DataParallel:
@@ -175,11 +178,12 @@ class Runner:
             submodules, modes = self._submodules, self._seen_modes
             if not (
                 self._events_only
-                and follower.guard.quiet
+                and _changes[0] == self._modes_at
                 and self.state.phase is Phase.GRAPHED
                 and modes[:1] == (submodules[0].training,)
             ):  # every submodule's mode keys the graphs (C-level: no frame each)
                 self._seen_modes = modes = tuple(map(_training, submodules))
+                self._modes_at = _changes[0]
             key = GraphKey(role, modes, batch.signature, body.divisor)
             graphs = self.graphs
             action = decide(
@@ -384,6 +388,7 @@ class Runner:
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
         self._seen_modes = modes = tuple(map(_training, self._submodules))
+        self._modes_at = _changes[0]
         return modes
 
     # ----------------------------------------------------------------- capture
