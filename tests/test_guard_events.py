@@ -225,3 +225,28 @@ def test_an_unknown_guard_is_named():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=r"guard='fast' must be one of 'full', 'events'"):
         TrainStep(model, opt, nn.CrossEntropyLoss(), guard="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulate_calls": 2}, {"clip_grad_norm": 1.0, "grad_norm": True}],
+    ids=["plain", "accumulate_calls=2", "clip"],
+)
+def test_a_replayed_call_moves_no_count_so_the_default_guard_reads_nothing_per_tensor(options):
+    # were the step's own work between replays to move the count (a .grad or .data set, a
+    # train()), every call would take the slow path and read every tensor, as "full" does
+    from ddpgraph.step import events
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), **options)
+    moved = []
+    for i, (x, y) in enumerate(batches(40, 8)):
+        before = events.changes[0]
+        replays = step.report().replays
+        step(x, y)
+        if i % 5 == 4:
+            step.evaluate(x)  # a graphed evaluation in between
+        if step.report().replays > replays and i > 30:
+            moved.append(events.changes[0] - before)
+    assert moved and moved == [0] * len(moved)
