@@ -22,11 +22,12 @@ PROBE = Path(__file__).resolve().parent.parent / "benchmarks" / "probes" / "call
 
 # the budget of the tree as it stands (issue 51's targets: frames 3, calls 12, modules 5, growth 0)
 FRAMES = 3  # ddpgraph frames from TrainStep.__call__ to the engine's replay, that one included
-CALLS = 11  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
+CALLS = 8  # ddpgraph calls around the recorded program's replay at 2 layers (outside + inside);
 # stage 1 (59 before): the front tests attributes, make_batch computes the signature once (46);
 # stage 2: one Guard checked once before the replay, none inside the engine (35);
-# stage 3: the runner replays from its own frame after the pure decide (11)
-MODULES = 8  # the ddpgraph modules they live in
+# stage 3: the runner replays from its own frame after the pure decide (11);
+# the LR and the script's sync flags tested in C-level passes, the watchdog read, no call (8)
+MODULES = 6  # the ddpgraph modules they live in (8 before optim's sync_lr and ddp's script_sync)
 GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
 
 

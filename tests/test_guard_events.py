@@ -8,6 +8,7 @@ full guard's own findings."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from ddpgraph import ConfigError, TrainStep
 from ddpgraph.step.guard import Guard
 from ddpgraph.step.optim import make_graph_safe
+from ddpgraph.step.options import StepOptions
 from ddpgraph.testing import CpuGraphs
 
 from .step_workers import batches, make_model
@@ -44,22 +46,46 @@ _SEEN_BY_HOOKS = {
 }
 
 
-@pytest.mark.parametrize("change", list(_SEEN_BY_HOOKS), ids=list(_SEEN_BY_HOOKS))
-def test_the_events_watch_sees_what_torchs_hooks_report(change):
+# what torch's registration hooks never saw, and the old "events" guard missed (issue 51): each
+# now moves the count of step/events.py, so the default guard's one comparison sees it
+_SEEN_BY_THE_COUNT = {
+    "p.data = ...": lambda m: setattr(m[0].weight, "data", torch.randn(4, 4)),
+    "swap_tensors": lambda m: torch.utils.swap_tensors(
+        m[0].weight, nn.Parameter(torch.randn(4, 4))
+    ),
+    "grad set to None": lambda m: setattr(m[2].bias, "grad", None),
+    "zero_grad()": lambda m: torch.optim.SGD(m.parameters(), lr=0.1).zero_grad(),
+    "grad replaced": lambda m: setattr(m[2].bias, "grad", torch.zeros(2)),
+    "grad.data moved": lambda m: setattr(m[0].weight.grad, "data", torch.zeros(4, 4)),
+    "buffer storage moved": lambda m: setattr(m[1].running_mean, "data", torch.zeros(4)),
+    "model.to(float64)": lambda m: m.to(torch.float64),
+    "requires_grad_(False)": lambda m: m[0].weight.requires_grad_(False),
+    "requires_grad = False": lambda m: setattr(m[2].bias, "requires_grad", False),
+    "a submodule's eval()": lambda m: m[1].eval(),
+    "a submodule's train() again": lambda m: m[1].train(),
+}
+
+
+_SEEN = {**_SEEN_BY_HOOKS, **_SEEN_BY_THE_COUNT}
+
+
+@pytest.mark.parametrize("change", list(_SEEN), ids=list(_SEEN))
+def test_the_events_guard_sees_every_public_change_by_one_count(change):
     model, watch = _graphed_watch(events_only=True)
     assert watch.unchanged()
-    _SEEN_BY_HOOKS[change](model)
+    _SEEN[change](model)
     assert not watch.unchanged(), change
-    watch.check()  # read in full: the count is the new baseline
+    watch.check()  # the slow path reads everything and takes the count as it is now
     watch.settle(keep_grads=True)
     assert watch.unchanged()
 
 
-def test_the_events_watch_reads_nothing_per_tensor_and_so_misses_what_it_documents():
-    # StepOptions.guard names these as unseen by "events"; the full watch sees each
+def test_the_default_guard_is_events_and_what_moves_no_count_is_seen_by_full():
+    assert StepOptions().guard == "events"
+    # documented in StepOptions.guard and step/events.py as seen only by guard="full"
     for change in (
-        lambda m: setattr(m[0].weight, "data", torch.randn(4, 4)),
-        lambda m: setattr(m[2].bias, "grad", None),
+        lambda m: m[2]._parameters.__setitem__("bias", nn.Parameter(torch.zeros(2))),
+        lambda m: m[1]._buffers.__setitem__("running_var", torch.ones(4)),
     ):
         model, events = _graphed_watch(events_only=True)
         full = Guard(lambda model=model: (model,))
@@ -145,6 +171,45 @@ def test_events_guard_trains_bit_for_bit_as_the_full_guard_through_what_it_sees(
         assert torch.equal(a, b)
 
 
+_MID_RUN = {  # what the old "events" guard missed while graphed, made by a script mid-run
+    "a submodule's eval() and train()": lambda i, step, model: (
+        model[0].eval() if i == 16 else model[0].train() if i == 20 else None
+    ),
+    # the guard's check in evaluate() sees the count move first: the next call must still
+    # read the modes
+    "a submodule's eval(), then step.evaluate()": lambda i, step, model: (
+        (model[0].eval(), step.evaluate(torch.randn(8, 8)))
+        if i == 16
+        else (model[0].train(), step.evaluate(torch.randn(8, 8)))
+        if i == 20
+        else None
+    ),
+    "a layer frozen with requires_grad_()": lambda i, step, model: (
+        model[0].weight.requires_grad_(False) if i == 16 else None
+    ),
+    "p.data = a copy": lambda i, step, model: (
+        setattr(model[2].weight, "data", model[2].weight.detach().clone()) if i == 16 else None
+    ),
+    "the script's zero_grad()": lambda i, step, model: step.optimizer.zero_grad(),
+}
+
+
+@pytest.mark.parametrize("change", list(_MID_RUN), ids=list(_MID_RUN))
+def test_events_guard_trains_bit_for_bit_as_the_full_guard_through_each_public_change(change):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the re-capture warnings: the same in both runs
+        runs = {guard: _run(guard, _MID_RUN[change]) for guard in ("full", "events")}
+    (full_step, full_model, full_losses), (step, model, losses) = runs["full"], runs["events"]
+    assert step.report().replays == full_step.report().replays > 0
+    assert len(step.report().captures) == len(full_step.report().captures)
+    assert step.report().recaptures == full_step.report().recaptures
+    for a, b in zip(model.parameters(), full_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert (a.grad is None) == (b.grad is None)  # zero_grad(): the graph's put back
+    for a, b in zip(losses, full_losses, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_events_guard_refuses_a_new_parameter_object_as_the_full_guard_does():
     def each(i, step, model):
         if i == 16:  # graphed by now
@@ -160,3 +225,28 @@ def test_an_unknown_guard_is_named():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=r"guard='fast' must be one of 'full', 'events'"):
         TrainStep(model, opt, nn.CrossEntropyLoss(), guard="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"accumulate_calls": 2}, {"clip_grad_norm": 1.0, "grad_norm": True}],
+    ids=["plain", "accumulate_calls=2", "clip"],
+)
+def test_a_replayed_call_moves_no_count_so_the_default_guard_reads_nothing_per_tensor(options):
+    # were the step's own work between replays to move the count (a .grad or .data set, a
+    # train()), every call would take the slow path and read every tensor, as "full" does
+    from ddpgraph.step import events
+
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    step = TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), **options)
+    moved = []
+    for i, (x, y) in enumerate(batches(40, 8)):
+        before = events.changes[0]
+        replays = step.report().replays
+        step(x, y)
+        if i % 5 == 4:
+            step.evaluate(x)  # a graphed evaluation in between
+        if step.report().replays > replays and i > 30:
+            moved.append(events.changes[0] - before)
+    assert moved and moved == [0] * len(moved)

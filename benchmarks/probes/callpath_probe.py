@@ -38,7 +38,7 @@ def build(layers: int) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(8, 4))
 
 
-def probe(layers: int, guard: str = "full") -> dict[str, Any]:
+def probe(layers: int, guard: str = "default") -> dict[str, Any]:
     """The counts of one replayed call (run inside ``ddpgraph.init``, one rank or more)."""
     import ddpgraph as dg
     from ddpgraph.step import recording
@@ -46,7 +46,7 @@ def probe(layers: int, guard: str = "full") -> dict[str, Any]:
 
     package = os.path.dirname(dg.__file__) + os.sep
     bare = recording.Program.replay.__code__
-    chosen = {} if guard == "full" else {"guard": guard}  # an older tree has no option
+    chosen = {} if guard == "default" else {"guard": guard}  # the tree's own default
     torch.manual_seed(0)
     model = build(layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -124,7 +124,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("layers", nargs="*", type=int, default=[2, 50])
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--guard", default="full", choices=["full", "events"])
+    parser.add_argument("--guard", default="default", choices=["default", "full", "events"])
     args = parser.parse_args()
     from ddpgraph.testing import run_distributed
 

@@ -49,13 +49,13 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--label", default="")
     parser.add_argument("--out")
-    parser.add_argument("--guard", default="full", choices=["full", "events"])
+    parser.add_argument("--guard", default="default", choices=["default", "full", "events"])
     args = parser.parse_args()
     rt = ddpgraph.init()
     torch.manual_seed(0)
     model = _mlp().to(rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    chosen = {} if args.guard == "full" else {"guard": args.guard}  # older trees: no option
+    chosen = {} if args.guard == "default" else {"guard": args.guard}  # the tree's own default
     step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss(), **chosen)
     x = torch.randn(64, 1024, device=rt.device)
     y = torch.randint(10, (64,), device=rt.device)

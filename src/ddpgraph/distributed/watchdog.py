@@ -63,7 +63,7 @@ from .watchdog_messages import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXIT_CODE", "StepCount", "Watchdog", "active", "replay_hook", "watch"]
+__all__ = ["ACTIVE", "EXIT_CODE", "StepCount", "Watchdog", "active", "replay_hook", "watch"]
 
 EXIT_CODE = 124  # as timeout(1): the job ended because something did not finish in time
 PHASES = ("warmup", "capture", "replay", "eager", "eval")
@@ -99,6 +99,11 @@ _PEER_GONE = re.compile(
 _ACTIVE: Global[Watchdog | None] = process_global(
     "watchdog.active", lambda: None, reset_at_shutdown=True
 )
+
+
+# the running watchdog as ``ACTIVE.value`` (what :func:`active` returns): a replayed step reads
+# the attribute, no call
+ACTIVE = _ACTIVE
 
 
 def active() -> Watchdog | None:

@@ -54,15 +54,16 @@ class Signature(NamedTuple):
     leaves: tuple[Leaf, ...]
 
 
-@dataclass(frozen=True)
-class GraphKey:
+class GraphKey(NamedTuple):
     """Which graph a call replays: one per role, module modes and input signature.
 
     ``role`` is "train" (steps the optimizer), "micro" (an ``accumulate_calls`` micro-batch: no
     sync, no update) or "eval"; ``modes`` is every submodule's ``training`` flag (a graph never
     replays in another mode than it was captured in); ``signature`` the inputs, including for
     ``step(data)`` the DeviceData it gathers from (another data set never replays its graph);
-    ``divisor`` a short window's own loss divisor (``step(..., window=n)``).
+    ``divisor`` a short window's own loss divisor (``step(..., window=n)``). A named tuple:
+    built, hashed and compared in C on every replayed call (a frozen dataclass's hash is a
+    Python frame).
     """
 
     role: Role

@@ -14,6 +14,7 @@ for tests of the fallback and of every rank's agreement.
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import is_
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from .graphs import (
     Replayed,
     first_capture_error,
 )
-from .optim import plan_graph_safety
+from .optim import lr_of, plan_graph_safety
 from .recording import Program, record
 
 __all__ = ["CpuGraphSet", "CpuGraphs"]
@@ -98,7 +99,9 @@ class CpuGraphSet(Graphs):
         captured = self._graphs.get(key)
         if captured is None:
             return Replayed(None)
-        self.plan.sync_lr()  # as Graphs.replay: the LR the script set since
+        plan = self.plan
+        if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
+            plan.sync_lr()  # as Graphs.replay: the LR the script set since
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
         self._programs[key].replay()

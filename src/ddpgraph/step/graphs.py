@@ -21,7 +21,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from operator import is_
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .._globals import Global, process_global
 from .._typed_torch import cuda_stream
 from ..errors import explain_exception
 from .batch import Batch, GraphKey, Role
-from .optim import GraphSafeOptimizer, make_graph_safe
+from .optim import GraphSafeOptimizer, lr_of, make_graph_safe
 
 __all__ = [
     "CaptureFailure",
@@ -96,9 +97,9 @@ class CaptureFailure:
     reason: str
 
 
-@dataclass
-class Replayed:
-    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key)."""
+class Replayed(NamedTuple):
+    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key). A named
+    tuple: built in C on every replayed call."""
 
     output: Any
     replayed: bool = False
@@ -216,7 +217,9 @@ class Graphs:
 
     def _launch(self, captured: CapturedGraph, batch: Batch) -> None:
         assert self._stream is not None and captured.graph is not None
-        self.plan.sync_lr()
+        plan = self.plan
+        if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
+            plan.sync_lr()  # a float the script or a scheduler set since (C-level test: no call)
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor, non_blocking=True)
         captured.graph.replay()

@@ -28,9 +28,11 @@ from typing import cast
 import torch
 from torch import nn
 
+from . import events
+from .events import changes as _changes
 from .optim import describe_group_changes, hyperparameters, restore_identities, tensor_slots
 
-__all__ = ["Guard", "Seen", "address", "registrations"]
+__all__ = ["Guard", "Seen", "address"]
 
 # (the dict a module keeps its parameters or buffers in, the key, the name in the model)
 _Slot = tuple[dict[str, torch.Tensor | None], str, str]
@@ -39,29 +41,6 @@ _grad = attrgetter("grad")
 _requires_grad = attrgetter("requires_grad")
 _module_dict = attrgetter("__dict__")
 _data_ptr = torch.Tensor.data_ptr
-
-# guard="events": how many parameters, buffers and submodules were set on any module of the
-# process (torch's global registration hooks: setattr, register_*, load_state_dict(assign=True));
-# a step compares the count instead of reading every slot
-_registrations = [0]
-_hooks_installed = [False]
-
-
-def _registered(*args: object) -> None:
-    _registrations[0] += 1
-
-
-def registrations() -> int:
-    """The process's count of parameter, buffer and submodule registrations so far (the hooks
-    installed on the first call)."""
-    if not _hooks_installed[0]:
-        from torch.nn.modules import module as torch_module
-
-        torch_module.register_module_parameter_registration_hook(_registered)
-        torch_module.register_module_buffer_registration_hook(_registered)
-        torch_module.register_module_module_registration_hook(_registered)
-        _hooks_installed[0] = True
-    return _registrations[0]
 
 
 def address(tensor: torch.Tensor) -> int:
@@ -133,9 +112,11 @@ class Guard:
     captured it (:class:`OptimizerBaseline`). While graphed, :meth:`check` compares without
     walking any module and without a Python frame per tensor: one C-level ``map`` per list, one
     Python frame in all, so a replayed call makes the same calls at every model size. With
-    ``events_only`` (``guard="events"``) nothing is read per tensor: torch's global
-    registration hooks count parameters, buffers and submodules set anywhere, and the count is
-    compared (what that leaves unseen: :class:`~.options.StepOptions`).
+    ``events_only`` (``guard="events"``, the default) nothing is read per tensor while graphed:
+    every public way of changing a tensor's memory, gradient, ``requires_grad``, a module's
+    slots or mode moves one process-wide count (:mod:`~.events`), and the count is compared;
+    when it moved, the whole baseline is read as with ``"full"`` (the slow path), so what is
+    reported is the same.
     """
 
     def __init__(
@@ -194,9 +175,9 @@ class Guard:
         # the fast path compares gradient objects: only while they are held (graphed) and each
         # parameter had one at the baseline (an eager or partly-None state takes the full check)
         self._fast = self._plain and keep_grads and len(self._held) == len(self._objects)
-        # guard="events" while graphed: the registration count stands for the slots' reads
+        # guard="events" while graphed: the count of changes stands for the per-tensor reads
         self._by_events = self._events_only and keep_grads
-        self._registrations = registrations() if self._events_only else 0
+        self._events_at = events.count() if self._events_only else 0
 
     def watch_optimizer(self, params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> None:
         """Once a graph is captured: the optimizer as the graphs read it (kept until
@@ -240,8 +221,8 @@ class Guard:
         )
         if list(calls) != self._calls:
             return False
-        if self._by_events:  # nothing read per tensor: see StepOptions.guard for what is unseen
-            if _registrations[0] != self._registrations:
+        if self._by_events:  # nothing read per tensor: see step/events.py for what is counted
+            if _changes[0] != self._events_at:
                 return False
         elif not (
             self._fast
@@ -283,7 +264,7 @@ class Guard:
         """The model's changes, named (the slow path: something differs, or not graphed)."""
         found = Seen()
         if self._events_only:  # what happened up to now is read below: a new count
-            self._registrations = registrations()
+            self._events_at = events.count()
         same_objects = map(is_, map(dict.get, self._param_dicts, self._param_keys), self._objects)
         # a new Parameter on the same storage (``nn.Parameter(p.data)``) moves no address
         if self._addresses(self._params) != self._param_at or not all(same_objects):
@@ -358,8 +339,9 @@ class OptimizerBaseline:
     reads its flat lists): the ``requires_grad`` flags of the parameters, the identity of the
     optimizer's state dict, its state tensors' data pointers and the param groups' plain values
     (by identity; by value only when an object differs). With ``events_only``
-    (``guard="events"``) only the state dict's identity and the param groups are read: a reload
-    replaces the state dict.
+    (``guard="events"``) the fast path reads only the state dict's identity and the param groups
+    (a reload replaces the state dict; ``requires_grad`` moves the events' count); the slow path
+    reads everything.
 
     * optimizer state replaced (``optimizer.load_state_dict``): the new values are copied into
       the tensors the graphs read (:func:`ddpgraph.optim.restore_identities`), never a new
@@ -428,13 +410,12 @@ class OptimizerBaseline:
 
     def find(self, found: Seen) -> None:
         """What changed, into ``found``; a reload is copied back into the captured tensors."""
-        if not self.events_only and list(map(_requires_grad, self.params)) != self.params_seen:
+        # the slow path reads everything, whatever the guard (it runs when something moved)
+        if list(map(_requires_grad, self.params)) != self.params_seen:
             found.optimizer.append("a parameter's requires_grad changed")
             found.recapture = True
             found.trainable_changed = True
-        if self.optimizer.state is not self.state or (
-            not self.events_only and self.slot_pointers() != self.slot_at
-        ):
+        if self.optimizer.state is not self.state or self.slot_pointers() != self.slot_at:
             self._restore(found)
         if not self.groups_unchanged():
             groups = hyperparameters(self.optimizer)

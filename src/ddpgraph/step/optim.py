@@ -20,6 +20,7 @@ import sys
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, TypeGuard
 
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "graph_safety_problem",
     "hyperparameters",
     "keep_scheduler_lrs_floats",
+    "lr_of",
     "make_graph_safe",
     "plan_graph_safety",
     "restore_identities",
@@ -41,6 +43,10 @@ __all__ = [
     "take_the_foreach_path",
     "tensor_slots",
 ]
+
+# a param group's LR: each replay tests ``lr_of(group) is lr_tensor`` in one C-level pass and
+# calls GraphSafeOptimizer.sync_lr only when a float was set since
+lr_of = itemgetter("lr")
 
 # (parameter index, state key) for state tensors; (-1 - group index, "lr") for LR tensors
 TensorSlots = dict[tuple[int, str], torch.Tensor]

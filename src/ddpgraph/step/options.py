@@ -79,23 +79,22 @@ class StepOptions:
             with rank 0's buffers), not the window's last only: what a script's DDP does when
             the script accumulates without ``no_sync`` (``if step % k == 0: optimizer.step()``
             on a prepared model), bit for bit; k gradient syncs per update instead of one.
-        guard: how each call learns what the script changed since the last one. "full" (the
-            default) reads, while graphed, every parameter's, gradient's and buffer's object
-            and address, each parameter's ``requires_grad``, each optimizer state tensor's
-            address and each submodule's mode: one C-level pass per list, a cost that grows
-            with the number of tensors. "events" reads only what does not grow with the model
-            (the roots' forward and mode, the optimizer's state dict and param-group values)
-            and learns of the rest from torch's hooks: a parameter, buffer or submodule set on
-            any module (``module.weight = ...``, ``register_buffer``, ``load_state_dict(assign=True)``)
-            and an ``optimizer.load_state_dict`` (DCP's ``set_state_dict`` too) by the new state
-            dict it leaves. It does not see,
-            between graphed calls: ``p.data = ...`` or a ``model.to()`` that moves memory in
-            place, ``requires_grad_()``, a submodule's own ``.train()`` / ``.eval()`` (the whole
-            model's is seen), gradients set to None or replaced (``zero_grad()``: the graph
-            keeps training on its own gradient tensors, but the script's ``p.grad`` reads
-            None), a parameter put into a module's ``_parameters`` dict directly, or one
-            optimizer state tensor replaced by hand. Use it only for a loop that does none
-            of these between calls; eager calls (warm-up, fallbacks) read everything in both.
+        guard: how each call learns what the script changed since the last one. "events"
+            (the default) reads, while graphed, only what does not grow with the model (the
+            roots' forward and mode, the optimizer's state dict and param-group values) and one
+            process-wide count that every public way of changing a tensor moves
+            (:mod:`ddpgraph.step.events`): a parameter, buffer or submodule set on a module,
+            ``t.data = ...``, ``t.grad = ...`` (``zero_grad()``), ``requires_grad`` /
+            ``requires_grad_()``, ``model.to()`` and ``torch.utils.swap_tensors``, any
+            module's ``train()`` / ``eval()``; when the count moved it reads everything, as
+            "full" does, so it reports the same changes. "full" reads every parameter's,
+            gradient's and buffer's object and address, each ``requires_grad``, each optimizer
+            state tensor's address and each submodule's mode on every graphed call: one
+            C-level pass per list, a cost that grows with the number of tensors; it also sees
+            what moves no count: a tensor put straight into a module's ``_parameters`` or
+            ``_buffers`` dict, ``submodule.training = ...`` set as an attribute, an optimizer
+            state tensor replaced by hand (``opt.state[p]["exp_avg"] = t``), ``Tensor.set_()``.
+            Eager calls (warm-up, fallbacks) read everything in both.
     """
 
     graph: GraphMode = "auto"
@@ -114,7 +113,7 @@ class StepOptions:
     parallel: ParallelMode = "auto"
     check_finite: bool = False
     sync_every_call: bool = False
-    guard: GuardMode = "full"
+    guard: GuardMode = "events"
 
     def __post_init__(self) -> None:
         _check_choice("parallel", self.parallel, PARALLEL_CHOICES)

@@ -45,6 +45,7 @@ from .batch import (
 )
 from .body import StepBody
 from .compiling import first_forward_failure
+from .events import changes as _changes
 from .follow import Follower
 from .graphs import (
     CapturedGraph,
@@ -110,10 +111,13 @@ class Runner:
         self.follower = Follower(
             lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
         )
-        # guard="events" while graphed: the submodules' modes re-read only when the model's own
-        # mode changed (model.train() / model.eval()); see StepOptions.guard
+        # guard="events" while graphed: the submodules' modes re-read only when the events'
+        # count moved since they were last read (any module's train() / eval(); the runner's own
+        # snapshot: a check by evaluate() or update() in between must not hide it) or the
+        # model's own mode changed; see step/events.py
         self._events_only = events_only
         self._seen_modes: tuple[bool, ...] = ()
+        self._modes_at = -1  # the count when the modes were read
 
     @property
     def parallel(self) -> DataParallel:
@@ -141,7 +145,7 @@ class Runner:
         parallel = self.body.parallel
         if parallel.checks_before_call:  # FSDP2: undo the script's unshard() first
             parallel.before_call()
-        wd = watchdog.active()
+        wd = watchdog.ACTIVE.value  # watchdog.active(), read without a call
         if wd is not None:  # a hang in this call becomes the watchdog's verdict
             graphed = self.state.phase is Phase.GRAPHED
             wd.enter("replay" if graphed else self.watch_phase(), self.report.steps)
@@ -154,8 +158,9 @@ class Runner:
             role: Role = "train"
             loss: torch.Tensor
             if win.plain and window is None:  # accumulate_calls=1: every call is a window
-                if parallel.script_sync() is False:
-                    win.begin(batch, last, False, None)  # raises: the script's sync control
+                if False in map(dict.get, parallel.sync_dicts, parallel.sync_keys):
+                    # the script turned a sync off: begin raises, naming its sync control
+                    win.begin(batch, last, parallel.script_sync(), None)
                 starts = False
             else:
                 starts = win.begin(batch, last, parallel.script_sync(), window)
@@ -173,10 +178,12 @@ class Runner:
             submodules, modes = self._submodules, self._seen_modes
             if not (
                 self._events_only
+                and _changes[0] == self._modes_at
                 and self.state.phase is Phase.GRAPHED
                 and modes[:1] == (submodules[0].training,)
             ):  # every submodule's mode keys the graphs (C-level: no frame each)
                 self._seen_modes = modes = tuple(map(_training, submodules))
+                self._modes_at = _changes[0]
             key = GraphKey(role, modes, batch.signature, body.divisor)
             graphs = self.graphs
             action = decide(
@@ -381,6 +388,7 @@ class Runner:
     def _modes(self) -> tuple[bool, ...]:
         """Every submodule's ``training`` flag: part of each graph's key."""
         self._seen_modes = modes = tuple(map(_training, self._submodules))
+        self._modes_at = _changes[0]
         return modes
 
     # ----------------------------------------------------------------- capture

@@ -104,7 +104,7 @@ class TrainStep(FromFrameworks):
         parallel: ParallelMode = "auto",
         check_finite: bool = False,
         sync_every_call: bool = False,
-        guard: GuardMode = "full",
+        guard: GuardMode = "events",
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,

@@ -35,6 +35,12 @@ class DataParallel:
     # its gradient sync on, as DDP's ``require_forward_param_sync`` says; the step sets it on
     # every training call, the wrapper reads it (one attribute: no cost on a replayed call)
     buffers_due: bool = False
+    # where the script's own gradient-sync flags live (a dict each, and the key in it), kept
+    # by each wrapper where it builds what holds them: a replayed call outside any window asks
+    # ``False in map(dict.get, sync_dicts, sync_keys)`` (one C-level pass, no call) and calls
+    # :meth:`script_sync` only when the script turned a sync off
+    sync_dicts: tuple[dict[str, Any], ...] = ()
+    sync_keys: tuple[str, ...] = ()
 
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The script built ``optimizer`` over the module's parameters; a wrapper that replaced

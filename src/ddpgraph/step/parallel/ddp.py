@@ -71,6 +71,9 @@ class DDP(DataParallel):
         with on_stream(self._stream):
             self.ddp = DistributedDataParallel(self.inner, **self._kwargs)
         self.module = self.ddp
+        # script_sync's flags: DDP's own (no_sync()) and one set on the bare module
+        self.sync_dicts = (self.ddp.__dict__, self.inner.__dict__)
+        self.sync_keys = ("require_backward_grad_sync",) * 2
         self.sample_rate = _stop_ddp_sampling(self.ddp)
         self._trainable = _trainable_ids(self.inner)  # what DDP reduces: follow_trainable
         # DDP's own start-of-forward broadcast is switched off and done by forward_context and

@@ -99,6 +99,8 @@ class FSDP2(DataParallel):
             if is_fsdp2(sub)
         ]
         self._flags = [g for _, groups in self._sharded for g in groups]  # reduce_grads
+        self.sync_dicts = tuple(vars(group) for group in self._flags)  # as script_sync reads
+        self.sync_keys = ("reduce_grads",) * len(self._flags)
         self._script_off = False  # the script's set_requires_gradient_sync(False) was read
         self._capture_hint: str | None = None  # what before_capture saw and could not mend
 

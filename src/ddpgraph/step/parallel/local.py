@@ -6,6 +6,8 @@ from torch import nn
 
 from .base import DataParallel
 
+_SYNC = "require_backward_grad_sync"  # set on the bare module by a script (accelerate)
+
 __all__ = ["Local"]
 
 
@@ -15,3 +17,4 @@ class Local(DataParallel):
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.inner = module
+        self.sync_dicts, self.sync_keys = (module.__dict__,), (_SYNC,)  # as script_sync reads
