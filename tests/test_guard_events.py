@@ -46,6 +46,11 @@ _SEEN_BY_HOOKS = {
 }
 
 
+def _set_storage(tensor: torch.Tensor, source: torch.Tensor) -> None:
+    with torch.no_grad():  # as FSDP1 and checkpoint loaders do on a leaf that requires grad
+        tensor.set_(source)
+
+
 # what torch's registration hooks never saw, and the old "events" guard missed (issue 51): each
 # now moves the count of step/events.py, so the default guard's one comparison sees it
 _SEEN_BY_THE_COUNT = {
@@ -60,6 +65,7 @@ _SEEN_BY_THE_COUNT = {
     "buffer storage moved": lambda m: setattr(m[1].running_mean, "data", torch.zeros(4)),
     "model.to(float64)": lambda m: m.to(torch.float64),
     "requires_grad_(False)": lambda m: m[0].weight.requires_grad_(False),
+    "set_() to other storage": lambda m: _set_storage(m[0].weight, torch.randn(4, 4)),
     "requires_grad = False": lambda m: setattr(m[2].bias, "requires_grad", False),
     "a submodule's eval()": lambda m: m[1].eval(),
     "a submodule's train() again": lambda m: m[1].train(),

@@ -11,9 +11,10 @@ happens:
 
 * a parameter, buffer or submodule set on any module (``module.weight = ...``,
   ``register_buffer``, ``load_state_dict(assign=True)``): torch's global registration hooks;
-* ``t.data = ...``, ``t.grad = ...`` (``zero_grad()`` sets it to None), ``t.requires_grad = ...``
-  and ``t.requires_grad_()`` on any tensor (a parameter, a gradient, a buffer): the setters of
-  ``torch.Tensor`` wrapped (the getters stay torch's own C functions);
+* ``t.data = ...``, ``t.grad = ...`` (``zero_grad()`` sets it to None), ``t.requires_grad = ...``,
+  ``t.requires_grad_()`` and ``t.set_(...)`` on any tensor (a parameter, a gradient, a buffer):
+  the setters and methods of ``torch.Tensor`` wrapped (the getters stay torch's own C
+  functions);
 * ``module.to()`` / ``.cuda()`` / ``.half()`` / ``to_empty()`` (``nn.Module._apply``, which also
   writes buffers straight into ``module._buffers``) and ``torch.utils.swap_tensors``;
 * ``module.train()`` / ``.eval()`` on any module (``nn.Module.train``).
@@ -22,7 +23,7 @@ Each wrapper adds one to the count and calls torch's own code; installed once, o
 :func:`count` (a step's guard takes its first baseline), for the life of the process. A change
 made without any of these (a tensor put straight into a module's ``_parameters`` or
 ``_buffers`` dict, ``module.training = ...`` on a submodule, an optimizer state tensor replaced
-by hand, ``Tensor.set_()``) moves no count: ``guard="full"`` reads every tensor and sees those.
+by hand) moves no count: ``guard="full"`` reads every tensor and sees those.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def _install() -> None:
     for name in ("data", "grad", "requires_grad"):
         setattr(torch.Tensor, name, _counted_setter(name))
     torch.Tensor.requires_grad_ = _counted(torch.Tensor.requires_grad_)  # type: ignore[method-assign]
+    torch.Tensor.set_ = _counted(torch.Tensor.set_)  # type: ignore[method-assign]
     nn.Module._apply = _counted(nn.Module._apply)  # type: ignore[method-assign]
     nn.Module.train = _counted(nn.Module.train)  # type: ignore[method-assign]
     torch.utils.swap_tensors = _counted(torch.utils.swap_tensors)

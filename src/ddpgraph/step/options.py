@@ -85,7 +85,7 @@ class StepOptions:
             process-wide count that every public way of changing a tensor moves
             (:mod:`ddpgraph.step.events`): a parameter, buffer or submodule set on a module,
             ``t.data = ...``, ``t.grad = ...`` (``zero_grad()``), ``requires_grad`` /
-            ``requires_grad_()``, ``model.to()`` and ``torch.utils.swap_tensors``, any
+            ``requires_grad_()``, ``t.set_()``, ``model.to()`` and ``torch.utils.swap_tensors``, any
             module's ``train()`` / ``eval()``; when the count moved it reads everything, as
             "full" does, so it reports the same changes. "full" reads every parameter's,
             gradient's and buffer's object and address, each ``requires_grad``, each optimizer
@@ -93,7 +93,7 @@ class StepOptions:
             C-level pass per list, a cost that grows with the number of tensors; it also sees
             what moves no count: a tensor put straight into a module's ``_parameters`` or
             ``_buffers`` dict, ``submodule.training = ...`` set as an attribute, an optimizer
-            state tensor replaced by hand (``opt.state[p]["exp_avg"] = t``), ``Tensor.set_()``.
+            state tensor replaced by hand (``opt.state[p]["exp_avg"] = t``).
             Eager calls (warm-up, fallbacks) read everything in both.
     """
 
