@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import multiprocessing
 import os
 import runpy
 import sys
@@ -111,6 +112,11 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
         record_step_losses(record)
     else:
         _graph_safe_original(record)
+    # run_distributed's workers are daemonic processes, which multiprocessing allows no children,
+    # and the script's DataLoaders start 4 workers each (num_workers=4), as under accelerate
+    # launch, where the rank is no daemon (on the H100 at c4107d2: "daemonic processes are not
+    # allowed to have children" at the first batch)
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
     out = base / f"out_{variant}"
     sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
     printed = io.StringIO()
