@@ -8,12 +8,14 @@ the replayed path, or makes it grow with the model, fails here."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ddpgraph.step
 from ddpgraph.testing import run_distributed
 
 pytestmark = pytest.mark.timeout(600)  # a 50-layer capture on a loaded 2-core machine
@@ -29,6 +31,7 @@ CALLS = 8  # ddpgraph calls around the recorded program's replay at 2 layers (ou
 # the LR and the script's sync flags tested in C-level passes, the watchdog read, no call (8)
 MODULES = 6  # the ddpgraph modules they live in (8 before optim's sync_lr and ddp's script_sync)
 GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
+CLASS_LINES = 300  # the longest class in step/ (issue 51's target; Runner was 603, TrainStep 324)
 
 
 def _probe(layers: list[int]) -> list[dict[str, Any]]:
@@ -62,3 +65,18 @@ def test_the_replayed_call_grows_no_more_than_its_budget_with_the_model(counts):
     assert large["frames"] == small["frames"]
     assert large["calls"] - small["calls"] <= GROWTH, _shown(large)
     assert len(large["modules"]) <= MODULES, large["modules"]
+
+
+def test_no_class_in_step_is_longer_than_its_budget():
+    """Each class of ``ddpgraph/step/`` (its sub-packages included) spans at most ``CLASS_LINES``
+    lines, docstrings and comments counted: a responsibility that outgrows it gets a module."""
+    package = Path(ddpgraph.step.__file__).parent
+    long = [
+        f"{path.relative_to(package)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted(package.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.ClassDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > CLASS_LINES
+    ]
+    assert not long, f"classes over {CLASS_LINES} lines: {long}"

@@ -2,27 +2,26 @@
 
 A thin front over named parts: the options (:mod:`.options`), the step body (:mod:`.body`) with
 its precision (:mod:`.precision`) and data-parallel wrapper (:mod:`.parallel`), the capture
-policy (:mod:`.policy`: a pure decision) and its runner (:mod:`.runner`), the graphs (:mod:`.graphs`) and the ``step(data)`` feed (:mod:`.feed`).
+policy (:mod:`.policy`: a pure decision) and its runner (:mod:`.runner`), the graphs
+(:mod:`.graphs`) and the ``step(data)`` feed (:mod:`.feed`), built and wired by
+:mod:`.assembly`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..data.device_data import DeviceData, on_epoch_end
-from ..distributed import watchdog
+from ..data.device_data import DeviceData
 from ..errors import ConfigError, DistributedStateError, explain_exception, first_line
+from .assembly import assemble
 from .batch import make_batch
-from .body import LossFn, StepBody
-from .engine import GraphEngine, NoCuda, build_graphs
-from .feed import DataFeed
-from .finite import FiniteCheck
+from .body import LossFn
+from .engine import GraphEngine
 from .frameworks import FromFrameworks
-from .graphs import Graphs, capture_stream
 from .optim import restore_identities, tensor_slots
 from .options import (
     GraphMode,
@@ -33,10 +32,8 @@ from .options import (
     check_compile_fits,
     model_device,
 )
-from .parallel import ParallelMode, unwrap, wrap
-from .precision import precision_for
+from .parallel import ParallelMode, unwrap
 from .report import Phase, StepReport
-from .runner import Runner
 
 __all__ = ["TrainStep"]
 
@@ -115,43 +112,13 @@ class TrainStep(FromFrameworks):
         check_compile_fits(model, compile)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler
-        self.device = device = model_device(model)
-        stream = capture_stream(device) if device.type == "cuda" else None
-        if channels_last:
-            model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        kwargs = dict(ddp_kwargs or {})
-        self._precision = precision_for(options.amp, device, options.grad_scaler)
-        wrapped = _compiled(model, compile) if compile else model
-        self._body = StepBody(
-            wrap(wrapped, device, stream, kwargs, parallel),
-            optimizer,
-            loss_fn,
-            self._precision,
-            options,
-        )
-        self._finite = FiniteCheck(device) if check_finite else None
-        self._body.finite = self._finite
-        self._report = StepReport(mode="eager", steps_per_replay=steps_per_replay)
-        graphs = build_graphs(
-            engine, options, device, self._body.parallel, self._parameters, optimizer
-        )
-        self._runner = Runner(
-            options, self._body, graphs if isinstance(graphs, Graphs) else None,
-            device=device, stream=stream, submodules=list(model.modules()),
-            rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=self._report,
+        self.device = model_device(model)
+        parts = assemble(
+            model, optimizer, loss_fn, options, self.device,
+            ddp_kwargs=ddp_kwargs, scheduler=scheduler, engine=engine,
         )  # fmt: skip
-        on_epoch_end(self._runner.window.warn_at_epoch_end)
-        lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
-        self._feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
-        self._body.feed = self._feed
-        if isinstance(graphs, Graphs):
-            self._report.optimizer_changes = list(graphs.plan.described)
-            self._report.engine = graphs.engine
-        if isinstance(graphs, Graphs) and stream is not None:
-            graphs.register_replay_hook(watchdog.replay_hook(self._report))
-        if isinstance(graphs, str):
-            self._runner.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
-        self._report.mode = self.mode
+        self._precision, self._body, self._finite = parts.precision, parts.body, parts.finite
+        self._report, self._runner, self._feed = parts.report, parts.runner, parts.feed
         # what __call__ tests as attributes (fixed at construction)
         self._data_only = steps_per_replay > 1  # step(x, y) refused: step(data) only
         self._shape_rule = on_new_shape == "error"
@@ -362,16 +329,6 @@ class TrainStep(FromFrameworks):
         if self._finite is not None:
             self._finite.check()
         return loss
-
-    def _parameters(self) -> Iterator[nn.Parameter]:
-        return self.model.parameters()
-
-
-def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
-    # Inductor's default mode: its kernels, no CUDA graphs of its own (TrainStep captures the
-    # whole step). DDP goes around the compiled module: torch.compile(DDP(m)) compiles nothing.
-    kwargs = dict(options) if isinstance(options, Mapping) else {}
-    return torch.compile(model, **kwargs)  # type: ignore[return-value]
 
 
 def _raise_if_peer_gone(exc: RuntimeError, calls: int) -> None:
