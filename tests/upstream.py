@@ -121,15 +121,15 @@ def record_step_losses(record: dict[str, Any]) -> None:
 def graphs_on_the_cpu_engine() -> None:
     """Every TrainStep the script builds captures and replays on the CPU engine ("The CPU
     judges like the GPU"), the script unchanged."""
-    from ddpgraph.step import train_step as train_step_module
+    from ddpgraph.step import assembly
     from ddpgraph.testing import CpuGraphs
 
-    build = train_step_module.build_graphs
+    build = assembly.build_graphs  # where TrainStep's parts are built (step/assembly.py)
 
     def build_graphs(engine: Any, *args: Any) -> Any:
         return build(engine or CpuGraphs(), *args)
 
-    train_step_module.build_graphs = build_graphs  # type: ignore[assignment]
+    assembly.build_graphs = build_graphs  # type: ignore[assignment]
 
 
 def _read(path: Path) -> str:
