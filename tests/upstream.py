@@ -118,6 +118,20 @@ def record_step_losses(record: dict[str, Any]) -> None:
     ddpgraph.TrainStep.__call__ = train_call  # type: ignore[method-assign]
 
 
+# the line every Accelerate script prepares its objects with, and what the guides' ports put in
+# its place before building the step (the model and optimizer go to TrainStep.from_accelerator)
+PREPARE_ALL = (
+    "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+    "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
+    "    )\n"
+)
+PREPARE_THE_REST = (
+    "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
+    "        train_dataloader, eval_dataloader, lr_scheduler\n"
+    "    )\n"
+)
+
+
 def graphs_on_the_cpu_engine() -> None:
     """Every TrainStep the script builds captures and replays on the CPU engine ("The CPU
     judges like the GPU"), the script unchanged."""

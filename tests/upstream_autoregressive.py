@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from .upstream import (
+    PREPARE_ALL,
+    PREPARE_THE_REST,
     graph_safe_at_prepare,
     graphs_on_the_cpu_engine,
     ported,
@@ -73,13 +75,8 @@ PORT = [
         "from accelerate import Accelerator, DistributedType\n\nfrom ddpgraph import TrainStep\n",
     ),
     (
-        "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n",
-        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n"
-        "    model.config.use_cache = False\n"
+        PREPARE_ALL,
+        PREPARE_THE_REST + "    model.config.use_cache = False\n"
         "    train_step = TrainStep.from_accelerator(\n"
         "        accelerator, model, optimizer, clip_grad_norm=max_grad_norm,\n"
         "        loss_fn=lambda outputs, batch: outputs.loss * gradient_accumulation_steps * accelerator.num_processes,\n"

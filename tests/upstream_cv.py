@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from .upstream import ported, record_step_losses, record_updates
+from .upstream import (
+    PREPARE_ALL,
+    PREPARE_THE_REST,
+    ported,
+    record_step_losses,
+    record_updates,
+)
 
 FOLDER, NAME = "accelerate_complete_cv_example", "complete_cv_example.py"
 IMAGES = 500  # 400 to train: 7 batches of 64 an epoch, 21 steps in its 3 epochs (12 warm-up)
@@ -38,13 +44,8 @@ PORT = [
         "from ddpgraph import TrainStep\n",
     ),
     (
-        "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n",
-        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n"
-        "    train_step = TrainStep.from_accelerator(\n"
+        PREPARE_ALL,
+        PREPARE_THE_REST + "    train_step = TrainStep.from_accelerator(\n"
         "        accelerator, model, optimizer, torch.nn.functional.cross_entropy\n"
         "    )\n"
         "    model = train_step.model\n",

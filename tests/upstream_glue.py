@@ -26,6 +26,8 @@ import torch
 
 from .framework_workers import tensors_of
 from .upstream import (
+    PREPARE_ALL,
+    PREPARE_THE_REST,
     graph_safe_at_prepare,
     graphs_on_the_cpu_engine,
     ported,
@@ -81,13 +83,8 @@ HAND_PORT = [
         "from transformers.utils import check_min_version\n\nfrom ddpgraph import TrainStep\n",
     ),
     (
-        "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n",
-        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n"
-        "    train_step = TrainStep.from_accelerator(\n"
+        PREPARE_ALL,
+        PREPARE_THE_REST + "    train_step = TrainStep.from_accelerator(\n"
         "        accelerator, model, optimizer, accumulate_calls=args.gradient_accumulation_steps\n"
         "    )\n"
         "    model = train_step.model\n"
@@ -110,10 +107,8 @@ FIRST_DIFF_PORT = [
     HAND_PORT[0],
     (
         HAND_PORT[1][0],
-        "    train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
-        "        train_dataloader, eval_dataloader, lr_scheduler\n"
-        "    )\n"
-        "    train_step = TrainStep.from_accelerator(accelerator, model, optimizer)\n"
+        PREPARE_THE_REST
+        + "    train_step = TrainStep.from_accelerator(accelerator, model, optimizer)\n"
         "    model = train_step.model\n",
     ),
     (
