@@ -129,3 +129,8 @@ def adopt_with_fake_uuids(uuids: list[str], pretend_nccl: bool) -> str:
         return str(ddpgraph.init().device)
     finally:
         dist.destroy_process_group()
+
+
+def thread_counts() -> tuple[int, int]:
+    """torch's intra-op thread count as the worker runs, and what its environment asked for."""
+    return torch.get_num_threads(), int(os.environ["OMP_NUM_THREADS"])

@@ -236,6 +236,7 @@ def _worker(
         del os.environ[name]
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})
     os.environ.update(base_env)  # a caller's env may override RANK / LOCAL_RANK on purpose
+    _apply_thread_count(os.environ.get("OMP_NUM_THREADS"))
     try:
         if init:
             import ddpgraph
@@ -248,6 +249,17 @@ def _worker(
             results.put(_run(fn, args, rank))
     except BaseException as exc:  # init itself failed
         results.put(_failure(rank, exc))
+
+
+def _apply_thread_count(value: str | None) -> None:
+    # The forkserver preloaded torch, whose OpenMP and MKL read OMP_NUM_THREADS before this
+    # worker set it: without this each rank runs one thread per core, as torchrun's children do
+    # not, and a float reduction split across threads rounds differently from run to run under
+    # load (bit-for-bit comparisons of two runs parted in the last bit of a grad norm in CI).
+    if value and value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
 
 
 def _run(fn: Callable[..., Any], args: tuple[Any, ...], rank: int) -> _Outcome:
