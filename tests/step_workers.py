@@ -357,3 +357,14 @@ def uneven_calls(graphed: bool) -> str:
     for x, y in batches(6 if rank == 0 else 5, 8):
         step(x, y)
     return "finished"
+
+
+def planned_warmups(requested: list[int | None]) -> list[int]:
+    """The eager steps a TrainStep plans before its capture, for each ``warmup=`` asked."""
+    planned = []
+    for warmup in requested:
+        model = make_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = TrainStep(model, opt, nn.CrossEntropyLoss(), warmup=warmup)
+        planned.append(step._runner.warmup)
+    return planned

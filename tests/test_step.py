@@ -189,13 +189,19 @@ def test_ddp_warmup_rule():
     assert not ddp_count_allows_capture(12, sample_rate=13)
 
 
-@pytest.mark.parametrize(("requested", "planned"), [(None, 12), (1, 12), (30, 30), (100, 102)])
-def test_warmup_is_raised_to_a_capturable_count(requested, planned):
-    model = make_model()
-    step = TrainStep(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.CrossEntropyLoss(), warmup=requested
-    )
-    assert step._runner.warmup == planned
+WARMUPS = [None, 1, 5, 30, 100]
+
+
+def test_warmup_under_ddp_is_raised_to_a_count_ddp_does_not_time():
+    """DDP times its first 10 iterations (the step stops its later sampling, so 100 stays)."""
+    (planned,) = run_distributed(step_workers.planned_warmups, 1, args=(WARMUPS,), timeout=120)
+    assert planned == [12, 12, 12, 30, 100]
+
+
+def test_warmup_without_ddp_is_the_count_asked_for():
+    """No DDP underneath (no process group): no iteration is timed, ``warmup=n`` is n (it was
+    silently raised to DDP's 12)."""
+    assert step_workers.planned_warmups(WARMUPS) == [12, 1, 5, 30, 100]
 
 
 def test_optimizers_are_made_graph_safe_or_refused():

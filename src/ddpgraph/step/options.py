@@ -58,7 +58,7 @@ class StepOptions:
         on_new_shape: a batch unlike every captured one: "eager" runs it eagerly, "capture"
             records another graph in the same pool (pad with :func:`ddpgraph.pad_batch`),
             "error" raises ``ValueError`` naming the entry that changed.
-        warmup: eager steps before capture (default 12, raised to a count DDP allows).
+        warmup: eager steps before capture (default 12; under DDP raised to a count DDP allows).
         compile: True or ``torch.compile`` arguments: Inductor kernels inside the one graph.
         channels_last: the model and 4-d batch tensors in channels_last.
         steps_per_replay: training steps per call of ``step(data)``, captured as one graph.
