@@ -131,7 +131,7 @@ def nlp_example(config: dict[str, Any], ported: bool, options: dict[str, Any]) -
     from accelerate import Accelerator, DistributedType
     from transformers import get_linear_schedule_with_warmup, set_seed
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = Accelerator(cpu=True, mixed_precision=config.get("mixed_precision", "no"))
     lr = config["lr"]
@@ -161,7 +161,7 @@ def nlp_example(config: dict[str, Any], ported: bool, options: dict[str, Any]) -
         train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
             train_dataloader, eval_dataloader, lr_scheduler
         )
-        train_step = TrainStep.from_accelerator(accelerator, model, optimizer, **options)
+        train_step = from_accelerator(accelerator, model, optimizer, **options)
         record.step = train_step
     else:
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
@@ -198,7 +198,7 @@ def gradient_accumulation(
     from accelerate import Accelerator, DistributedType
     from transformers import get_linear_schedule_with_warmup, set_seed
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     gradient_accumulation_steps = int(config["gradient_accumulation_steps"])
     accelerator = Accelerator(
@@ -230,7 +230,7 @@ def gradient_accumulation(
         train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
             train_dataloader, eval_dataloader, lr_scheduler
         )
-        train_step = TrainStep.from_accelerator(accelerator, model, optimizer, **options)
+        train_step = from_accelerator(accelerator, model, optimizer, **options)
         record.step = train_step
     else:
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
@@ -263,7 +263,7 @@ def checkpointing(config: dict[str, Any], ported: bool, options: dict[str, Any])
     from accelerate import Accelerator, DistributedType
     from transformers import get_linear_schedule_with_warmup, set_seed
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     args = config["args"]
     accelerator = Accelerator(cpu=True, mixed_precision=config.get("mixed_precision", "no"))
@@ -298,7 +298,7 @@ def checkpointing(config: dict[str, Any], ported: bool, options: dict[str, Any])
         train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
             train_dataloader, eval_dataloader, lr_scheduler
         )
-        train_step = TrainStep.from_accelerator(accelerator, model, optimizer, **options)
+        train_step = from_accelerator(accelerator, model, optimizer, **options)
         record.step = train_step
     else:
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(

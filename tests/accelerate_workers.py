@@ -97,7 +97,7 @@ def habits_loop(
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
     model = mlp()
@@ -108,7 +108,7 @@ def habits_loop(
     loss_fn = nn.CrossEntropyLoss()
     if ported:
         loader, scheduler = accelerator.prepare(loader, scheduler)
-        step = TrainStep.from_accelerator(
+        step = from_accelerator(
             accelerator, model, optimizer, loss_fn, clip_grad_norm=clip, grad_norm=True, **options
         )
     else:

@@ -85,7 +85,7 @@ def image_classifier(ported: bool, options: dict[str, Any]) -> dict[str, Any]:
     from lightning.fabric import Fabric, seed_everything
     from torch.optim.lr_scheduler import StepLR
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.fabric import from_fabric
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     fabric.launch()
@@ -97,7 +97,7 @@ def image_classifier(ported: bool, options: dict[str, Any]) -> dict[str, Any]:
     # graph-safe as written: the framework's own run steps the optimizer the graphed port steps
     optimizer = graph_safe_optimizer(optim.Adadelta, model.parameters(), 1.0)
     if ported:  # port: the step takes the model and optimizer as built
-        step = TrainStep.from_fabric(fabric, model, optimizer, F.nll_loss, **options)
+        step = from_fabric(fabric, model, optimizer, F.nll_loss, **options)
     else:
         model, optimizer = fabric.setup(model, optimizer)
     scheduler = StepLR(optimizer, step_size=1, gamma=0.7)
@@ -133,7 +133,7 @@ def habits_loop(
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.fabric import from_fabric
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision=precision)
     fabric.launch()
@@ -146,7 +146,7 @@ def habits_loop(
         optimizer = graph_safe_optimizer(torch.optim.AdamW, model.parameters(), 0.02)
         decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.95**s)
         if ported:
-            step = TrainStep.from_fabric(
+            step = from_fabric(
                 fabric, model, optimizer, loss_fn, accumulate_calls=k, clip_grad_norm=clip,
                 grad_norm=True, **options,
             )  # fmt: skip

@@ -28,15 +28,15 @@ def accelerate_fp16_loop(
 ) -> tuple[dict[str, list], Any]:
     """Accelerate's documented loop (everything prepared, ``accelerator.backward``,
     ``optimizer.step()``, a prepared scheduler's ``step()``), or the same loop with
-    ``TrainStep.from_accelerator``; per batch the loss, ``accelerator.optimizer_step_was_skipped``
+    ``from_accelerator``; per batch the loss, ``accelerator.optimizer_step_was_skipped``
     and the LR after the scheduler's step; and the TrainStep (None for Accelerate's own)."""
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
     step = None
     if graphed:
         scheduler = accelerator.prepare(scheduler)
-        step = TrainStep.from_accelerator(accelerator, model, optimizer, loss_fn, **step_options)
+        step = from_accelerator(accelerator, model, optimizer, loss_fn, **step_options)
     else:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run: dict[str, list] = {"losses": [], "skipped": [], "lrs": []}

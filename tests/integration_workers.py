@@ -210,11 +210,11 @@ def _warmup_schedule(optimizer: Any) -> Any:
 
 def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
     """Accelerate's documented loop (prepare all, accumulate, backward, clip, step), or the
-    same loop with ``TrainStep.from_accelerator``."""
+    same loop with ``from_accelerator``."""
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
     from ddpgraph.testing import CpuGraphs
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
@@ -226,7 +226,7 @@ def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
     loader = DataLoader(gpt2_data(), batch_size=4)
     if graphed:
         loader, scheduler = accelerator.prepare(loader, scheduler)
-        step = TrainStep.from_accelerator(
+        step = from_accelerator(
             accelerator, model, optimizer, clip_grad_norm=0.5, engine=CpuGraphs()
         )
     else:
@@ -257,11 +257,11 @@ def run_accelerate(graphed: bool, epochs: int = 3) -> dict[str, Any]:
 
 def run_fabric(graphed: bool, epochs: int = 3, k: int = 2) -> dict[str, Any]:
     """Fabric's loop (setup, no_backward_sync, backward, clip_gradients, step), or the same loop
-    with ``TrainStep.from_fabric``."""
+    with ``from_fabric``."""
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader
 
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.fabric import from_fabric
     from ddpgraph.testing import CpuGraphs
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision="32-true")
@@ -273,7 +273,7 @@ def run_fabric(graphed: bool, epochs: int = 3, k: int = 2) -> dict[str, Any]:
     scheduler = _warmup_schedule(optimizer)
     loader = fabric.setup_dataloaders(DataLoader(gpt2_data(), batch_size=4))
     if graphed:
-        step = TrainStep.from_fabric(
+        step = from_fabric(
             fabric, model, optimizer, accumulate_calls=k, clip_grad_norm=0.5, engine=CpuGraphs()
         )
     else:

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ddpgraph import TrainStep
+from ddpgraph.integrations.accelerate import from_accelerator
+from ddpgraph.integrations.fabric import from_fabric
 
 from .accelerate_corpus import end_training
 from .framework_workers import graph_safe_optimizer, outcome, step_options, tensors_of
@@ -221,7 +223,7 @@ def glue_style_loop(
         )
     else:
         loader, eval_loader, lr_scheduler = accelerator.prepare(loader, eval_loader, lr_scheduler)
-        train_step = TrainStep.from_accelerator(
+        train_step = from_accelerator(
             accelerator, model, optimizer, nn.CrossEntropyLoss(), accumulate_calls=k,
             **step_options(variant),
         )  # fmt: skip
@@ -281,7 +283,7 @@ def refused_script_accumulation(case: str) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     loader = accelerator.prepare(DataLoader(classes(32), batch_size=4))
     options = {"accumulate_calls": 2} if case == "optimizer_step" else {}
-    step = TrainStep.from_accelerator(
+    step = from_accelerator(
         accelerator, model, optimizer, nn.CrossEntropyLoss(), graph="never", **options
     )
     try:
@@ -316,9 +318,7 @@ def fabric_eval(variant: str, precision: str = "32-true") -> dict[str, Any]:
     if variant == "framework":
         model, optimizer = fabric.setup(model, optimizer)
     else:
-        train_step = TrainStep.from_fabric(
-            fabric, model, optimizer, loss_fn, **step_options(variant)
-        )
+        train_step = from_fabric(fabric, model, optimizer, loss_fn, **step_options(variant))
         model = train_step.model
     losses, outputs = [], []
     for _ in range(2):
@@ -359,7 +359,7 @@ def fabric_script_steps() -> None:
     loader = fabric.setup_dataloaders(DataLoader(classes(32), batch_size=4))
     model = bn_net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    step = TrainStep.from_fabric(
+    step = from_fabric(
         fabric, model, optimizer, nn.CrossEntropyLoss(), accumulate_calls=2, graph="never"
     )
     for i, (x, y) in enumerate(loader):
@@ -384,7 +384,7 @@ def unsaid_accumulation(case: str) -> dict[str, Any]:
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
     loader = DataLoader(classes(40), batch_size=4)  # 5 batches a rank
     loader, lr_scheduler = accelerator.prepare(loader, lr_scheduler)
-    train_step = TrainStep.from_accelerator(
+    train_step = from_accelerator(
         accelerator, model, optimizer, nn.CrossEntropyLoss(), **step_options("graphs")
     )
     k, calls = 2, 0

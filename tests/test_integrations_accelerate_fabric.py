@@ -1,4 +1,4 @@
-"""``TrainStep.from_accelerator`` and ``TrainStep.from_fabric``: each loop trains bit for bit as
+"""``from_accelerator`` and ``from_fabric`` (:mod:`ddpgraph.integrations`): each loop trains bit for bit as
 the framework's own DDP loop (2 gloo ranks, the real capture policy on the CPU): a tiny GPT-2 on
 padded, attention-masked batches, 2 micro-batches per update, clipping, a warm-up schedule; the
 same losses, grad norms and learning rates. A model or optimizer the framework already wrapped
@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from ddpgraph import ConfigError, TrainStep
+from ddpgraph.integrations.accelerate import from_accelerator
+from ddpgraph.integrations.fabric import from_fabric
 from ddpgraph.testing import run_distributed
 
 from . import integration_workers as workers
@@ -55,12 +57,12 @@ def test_from_accelerator_refuses_what_prepare_wrapped():
     model, optimizer = _model_and_optimizer()
     prepared_model, prepared_optimizer = accelerator.prepare(model, optimizer)
     with pytest.raises(ConfigError, match=r"already set up.*prepare only the data loader"):
-        TrainStep.from_accelerator(accelerator, prepared_model, optimizer)
+        from_accelerator(accelerator, prepared_model, optimizer)
     with pytest.raises(ConfigError, match=r"optimizer accelerator.prepare\(\) wrapped"):
-        TrainStep.from_accelerator(accelerator, torch.nn.Linear(4, 2), prepared_optimizer)
+        from_accelerator(accelerator, torch.nn.Linear(4, 2), prepared_optimizer)
     with pytest.raises(ConfigError, match=r"amp=.*set it there"):
         fresh, opt = _model_and_optimizer()
-        TrainStep.from_accelerator(accelerator, fresh, opt, amp="bf16")
+        from_accelerator(accelerator, fresh, opt, amp="bf16")
 
 
 def test_from_fabric_refuses_what_setup_wrapped():
@@ -71,9 +73,9 @@ def test_from_fabric_refuses_what_setup_wrapped():
     with pytest.raises(
         ConfigError, match=r"model fabric.setup\(\) already wrapped.*setup_dataloaders"
     ):
-        TrainStep.from_fabric(fabric, wrapped_model, optimizer)
+        from_fabric(fabric, wrapped_model, optimizer)
     with pytest.raises(ConfigError, match=r"optimizer fabric.setup\(\) already wrapped"):
-        TrainStep.from_fabric(fabric, torch.nn.Linear(4, 2), wrapped_optimizer)
+        from_fabric(fabric, torch.nn.Linear(4, 2), wrapped_optimizer)
 
 
 @pytest.mark.parametrize(
@@ -98,15 +100,18 @@ def test_accelerate_mixed_precision_maps_to_amp():
 
 
 def _accelerated_step(accelerate, k=1, **options):
-    from ddpgraph.integrations.accelerate import attach
+    from ddpgraph.integrations.accelerate import attach, window_ends
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=k)
     torch.manual_seed(0)
     model, optimizer = _model_and_optimizer()
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
     scheduler = accelerator.prepare(scheduler)  # before the step, as the guide's port does
-    step = TrainStep(model, optimizer, torch.nn.MSELoss(), graph="never", **options)
-    attach(accelerator, step, model)
+    ends = window_ends(accelerator, window_said=True)
+    step = TrainStep(
+        model, optimizer, torch.nn.MSELoss(), graph="never", window_ends=ends, **options
+    )
+    attach(accelerator, step, model, ends)
     return accelerator, step, scheduler
 
 
@@ -160,11 +165,36 @@ def test_non_ddp_set_ups_are_refused_naming_what_was_seen():
         accelerator = SimpleNamespace(distributed_type=SimpleNamespace(name=kind), _models=[])
         model, optimizer = _model_and_optimizer()
         with pytest.raises(ConfigError, match=rf"set up for {kind}; use accelerate's DDP"):
-            TrainStep.from_accelerator(accelerator, model, optimizer)
+            from_accelerator(accelerator, model, optimizer)
     FSDPStrategy = type("FSDPStrategy", (), {})
     fabric = SimpleNamespace(strategy=FSDPStrategy())
     model, optimizer = _model_and_optimizer()
     with pytest.raises(
         ConfigError, match=r"strategy is FSDPStrategy; use Fabric\(strategy='ddp'\)"
     ):
-        TrainStep.from_fabric(fabric, model, optimizer)
+        from_fabric(fabric, model, optimizer)
+
+
+def test_from_accelerator_builds_the_step_over_accelerates_autocast_forward_without_a_warning():
+    """The forward Accelerate's bf16 wraps (as ``prepare`` would) is wrapped before the step is
+    built: the step captures it from its first call, and no call reports a model changed
+    outside the step (the wrap once came after the build and was followed with a warning)."""
+    import warnings
+
+    accelerate = pytest.importorskip("accelerate")
+    from ddpgraph.testing import CpuGraphs
+
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    model, optimizer = _model_and_optimizer()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step = from_accelerator(
+            accelerator, model, optimizer, torch.nn.MSELoss(), engine=CpuGraphs(), warmup=1
+        )
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        for _ in range(4):
+            step(x, y)
+    outside = [str(w.message) for w in seen if "changed outside" in str(w.message)]
+    assert not outside, outside
+    assert step.report().replays >= 1, step.report()
+    assert model(x).dtype == torch.float32  # Accelerate's convert_to_fp32 on the wrapped forward

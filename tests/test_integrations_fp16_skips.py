@@ -219,7 +219,8 @@ def test_from_accelerator_scales_as_the_accelerators_grad_scaler_kwargs():
 def test_from_accelerator_refuses_a_second_scaler_setting(options, handler, match):
     from accelerate.utils import GradScalerKwargs
 
-    from ddpgraph import ConfigError, TrainStep
+    from ddpgraph import ConfigError
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = accelerate.Accelerator(
         cpu=True, mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(**handler)]
@@ -228,4 +229,4 @@ def test_from_accelerator_refuses_a_second_scaler_setting(options, handler, matc
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     with pytest.raises(ConfigError, match=match):
-        TrainStep.from_accelerator(accelerator, model, opt, torch.nn.MSELoss(), **options)
+        from_accelerator(accelerator, model, opt, torch.nn.MSELoss(), **options)

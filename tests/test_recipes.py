@@ -108,14 +108,14 @@ def test_a_fabric_ports_own_optimizer_step_is_refused_on_every_rank_naming_the_l
 
 def test_accumulate_calls_with_accelerates_own_accumulation_is_refused():
     accelerate = pytest.importorskip("accelerate")
-    from ddpgraph import TrainStep
     from ddpgraph.errors import ConfigError
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError, match=r"accumulate_calls=2\) with Accelerator\(grad"):
-        TrainStep.from_accelerator(accelerator, model, optimizer, accumulate_calls=2)
+        from_accelerator(accelerator, model, optimizer, accumulate_calls=2)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])

@@ -19,8 +19,7 @@ def test_results_come_back_in_rank_order():
 
 def test_workers_run_the_thread_count_their_environment_names():
     # torch is preloaded before a worker's environment is set (forkserver), so OMP_NUM_THREADS
-    # must be applied, not only exported: with a thread per core, two runs of one job part in the
-    # last bit of a reduction under load (a grad norm, in CI).
+    # must be applied, not only exported, as torchrun's children start with it
     assert run_distributed(workers.thread_counts, 2, init=False, timeout=60) == [(1, 1)] * 2
     asked = run_distributed(
         workers.thread_counts, 2, init=False, timeout=60, env={"OMP_NUM_THREADS": "2"}

@@ -119,7 +119,7 @@ def record_step_losses(record: dict[str, Any]) -> None:
 
 
 # the line every Accelerate script prepares its objects with, and what the guides' ports put in
-# its place before building the step (the model and optimizer go to TrainStep.from_accelerator)
+# its place before building the step (the model and optimizer go to from_accelerator)
 PREPARE_ALL = (
     "    model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(\n"
     "        model, optimizer, train_dataloader, eval_dataloader, lr_scheduler\n"

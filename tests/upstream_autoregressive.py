@@ -72,12 +72,12 @@ _SCRIPT_UPDATE = (
 PORT = [
     (
         "from accelerate import Accelerator, DistributedType\n",
-        "from accelerate import Accelerator, DistributedType\n\nfrom ddpgraph import TrainStep\n",
+        "from accelerate import Accelerator, DistributedType\n\nfrom ddpgraph.integrations.accelerate import from_accelerator\n",
     ),
     (
         PREPARE_ALL,
         PREPARE_THE_REST + "    model.config.use_cache = False\n"
-        "    train_step = TrainStep.from_accelerator(\n"
+        "    train_step = from_accelerator(\n"
         "        accelerator, model, optimizer, clip_grad_norm=max_grad_norm,\n"
         "        loss_fn=lambda outputs, batch: outputs.loss * gradient_accumulation_steps * accelerator.num_processes,\n"
         "    )\n"

@@ -41,11 +41,11 @@ PORT = [
     (
         "from accelerate import Accelerator, DataLoaderConfiguration\n",
         "from accelerate import Accelerator, DataLoaderConfiguration\n"
-        "from ddpgraph import TrainStep\n",
+        "from ddpgraph.integrations.accelerate import from_accelerator\n",
     ),
     (
         PREPARE_ALL,
-        PREPARE_THE_REST + "    train_step = TrainStep.from_accelerator(\n"
+        PREPARE_THE_REST + "    train_step = from_accelerator(\n"
         "        accelerator, model, optimizer, torch.nn.functional.cross_entropy\n"
         "    )\n"
         "    model = train_step.model\n",

@@ -80,11 +80,11 @@ _SCRIPT_UPDATE = (
 HAND_PORT = [
     (
         "from transformers.utils import check_min_version\n",
-        "from transformers.utils import check_min_version\n\nfrom ddpgraph import TrainStep\n",
+        "from transformers.utils import check_min_version\n\nfrom ddpgraph.integrations.accelerate import from_accelerator\n",
     ),
     (
         PREPARE_ALL,
-        PREPARE_THE_REST + "    train_step = TrainStep.from_accelerator(\n"
+        PREPARE_THE_REST + "    train_step = from_accelerator(\n"
         "        accelerator, model, optimizer, accumulate_calls=args.gradient_accumulation_steps\n"
         "    )\n"
         "    model = train_step.model\n"
@@ -107,8 +107,7 @@ FIRST_DIFF_PORT = [
     HAND_PORT[0],
     (
         HAND_PORT[1][0],
-        PREPARE_THE_REST
-        + "    train_step = TrainStep.from_accelerator(accelerator, model, optimizer)\n"
+        PREPARE_THE_REST + "    train_step = from_accelerator(accelerator, model, optimizer)\n"
         "    model = train_step.model\n",
     ),
     (

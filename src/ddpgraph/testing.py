@@ -254,8 +254,7 @@ def _worker(
 def _apply_thread_count(value: str | None) -> None:
     # The forkserver preloaded torch, whose OpenMP and MKL read OMP_NUM_THREADS before this
     # worker set it: without this each rank runs one thread per core, as torchrun's children do
-    # not, and a float reduction split across threads rounds differently from run to run under
-    # load (bit-for-bit comparisons of two runs parted in the last bit of a grad norm in CI).
+    # not (oversubscribed; a float reduction split across threads may round differently).
     if value and value.isdigit() and int(value) > 0:
         import torch
 

@@ -39,14 +39,14 @@ def _graphed_after_warmup(report, calls: int) -> None:
 
 def test_accelerate_epoch_tails_step_graphed_in_bf16(rt):
     accelerate = pytest.importorskip("accelerate")
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = accelerate.Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
     model = _mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.99**s)
     loader, scheduler = accelerator.prepare(_data(), scheduler)
-    step = TrainStep.from_accelerator(accelerator, model, optimizer, nn.CrossEntropyLoss())
+    step = from_accelerator(accelerator, model, optimizer, nn.CrossEntropyLoss())
     for _ in range(6):
         for x, y in loader:
             with accelerator.accumulate(model):

@@ -67,13 +67,13 @@ def _masked_loader():
 
 def test_from_accelerator_replays_in_bf16(rt):
     accelerate = pytest.importorskip("accelerate")
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.accelerate import from_accelerator
 
     accelerator = accelerate.Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
     model = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = accelerator.prepare(_masked_loader())
-    step = TrainStep.from_accelerator(accelerator, model, optimizer, clip_grad_norm=1.0)
+    step = from_accelerator(accelerator, model, optimizer, clip_grad_norm=1.0)
     for _ in range(2):
         for batch in loader:
             with accelerator.accumulate(model):
@@ -84,13 +84,13 @@ def test_from_accelerator_replays_in_bf16(rt):
 
 def test_from_fabric_replays_in_bf16():
     fabric_module = pytest.importorskip("lightning.fabric")
-    from ddpgraph import TrainStep
+    from ddpgraph.integrations.fabric import from_fabric
 
     fabric = fabric_module.Fabric(accelerator="cuda", devices=1, precision="bf16-mixed")
     model = _gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loader = fabric.setup_dataloaders(_masked_loader())
-    step = TrainStep.from_fabric(fabric, model, optimizer, accumulate_calls=2, clip_grad_norm=1.0)
+    step = from_fabric(fabric, model, optimizer, accumulate_calls=2, clip_grad_norm=1.0)
     for _ in range(2):
         for batch in loader:
             step(batch)

@@ -6,10 +6,10 @@
                    drop-in for ``transformers.Trainer``
 ``lightning``      :class:`~ddpgraph.integrations.lightning.GraphStrategy` for         ``ddpgraph[lightning]``
                    ``L.Trainer(strategy=...)``
-``accelerate``     :meth:`ddpgraph.TrainStep.from_accelerator`                          ``ddpgraph[accelerate]``
-                   (``TrainStep.from_accelerator``)
-``fabric``         :meth:`ddpgraph.TrainStep.from_fabric`                               ``ddpgraph[lightning]``
-                   (``TrainStep.from_fabric``)
+``accelerate``     :func:`~ddpgraph.integrations.accelerate.from_accelerator`, a        ``ddpgraph[accelerate]``
+                   TrainStep as an ``Accelerator`` is set up
+``fabric``         :func:`~ddpgraph.integrations.fabric.from_fabric`, a TrainStep as    ``ddpgraph[lightning]``
+                   a ``Fabric`` is set up
 =================  ==================================================================  ======================
 
 Each owns DDP through a :class:`~ddpgraph.TrainStep` (every framework builds DDP on the default

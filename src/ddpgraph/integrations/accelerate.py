@@ -1,5 +1,5 @@
 """Accelerate's ``Accelerator`` with a graphed :class:`~ddpgraph.TrainStep`:
-:func:`from_accelerator` (also ``TrainStep.from_accelerator``).
+:func:`from_accelerator`.
 
 The Accelerator keeps the data loader (device placement, sharding, the sampler's epoch) and the
 LR scheduler; the TrainStep owns model, optimizer and DDP (Accelerate would build its DDP on the
@@ -36,24 +36,67 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._frames import PACKAGE_DIR, line_outside
 from ..errors import ConfigError
+from ..step.body import LossFn
 from ..step.optim import restore_identities, tensor_slots
+from ..step.train_step import TrainStep
+from ..step.window import WindowEnds
 from ._forward import forward_under
 from ._optim import OptimizerView, refuse_script_steps, scaler_reports_skips
 
-__all__ = ["accelerator_options", "amp_of", "attach"]
+__all__ = ["accelerator_options", "amp_of", "attach", "from_accelerator", "window_ends"]
 
 _AMP = {"no": None, "bf16": "bf16", "fp16": "fp16"}
 _DDP_TYPES = ("NO", "MULTI_GPU", "MULTI_CPU")  # where Accelerate itself would use DDP or nothing
 
 
+def from_accelerator(
+    accelerator: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn | None = None,
+    **options: Any,
+) -> TrainStep:
+    """A TrainStep set up as an Accelerate ``Accelerator`` says (mixed_precision as amp,
+    gradient_accumulation_steps as accumulate_calls), whose windows end where Accelerate's
+    ``sync_gradients`` says (an epoch's leftover micro-batches step the optimizer, as
+    Accelerate's do) and whose model and optimizer ``accelerator.save_state`` /
+    ``load_state`` save and load. A loop that accumulates by hand on a plain
+    ``Accelerator()`` passes ``accumulate_calls=k`` and ``last=`` its own condition (each
+    micro-batch then syncs, as its prepared DDP did). ``options`` are TrainStep's; call on
+    every rank with the model and optimizer as built (not prepared)."""
+    said = "accumulate_calls" in options  # else a script accumulating by hand is refused
+    chosen = accelerator_options(accelerator, model, optimizer, options)
+    ends = window_ends(accelerator, window_said=said)
+    # before the step is built: it captures the forward it is given (one wrapped after would be
+    # a change outside it, followed with a warning)
+    _autocast_forward(accelerator, model)
+    step = TrainStep(model, optimizer, loss_fn, window_ends=ends, **chosen)
+    attach(accelerator, step, model, ends)
+    return step
+
+
+def window_ends(accelerator: Any, *, window_said: bool) -> WindowEnds | None:
+    """Where the Accelerator's loop says a TrainStep's window ends (its ``window_ends=``):
+    its ``accumulate()`` blocks where ``gradient_accumulation_steps > 1``
+    (:class:`AccumulateBlocks`); on a plain ``Accelerator()`` whose script said no
+    ``accumulate_calls`` (``window_said``), every call, checked against the script's
+    scheduler (:class:`SchedulerSteps`); else None: ``sync_gradients`` is True on every call
+    and the window counts its calls (the ``accumulate_calls`` the script passed) and ends at
+    ``last=True``."""
+    if accelerator.gradient_accumulation_steps > 1:
+        return AccumulateBlocks(accelerator)
+    return None if window_said else SchedulerSteps(accelerator)
+
+
 def accelerator_options(
     accelerator: Any, model: nn.Module, optimizer: Any, options: dict[str, Any]
 ) -> dict[str, Any]:
-    """``TrainStep.from_accelerator``'s work: the TrainStep options ``accelerator`` says: ``mixed_precision`` as ``amp``,
+    """:func:`from_accelerator`'s work: the TrainStep options ``accelerator`` says: ``mixed_precision`` as ``amp``,
     ``gradient_accumulation_steps`` as ``accumulate_calls``, its ``DistributedDataParallelKwargs``
     as ``ddp_kwargs`` and (fp16) ``GradScalerKwargs`` as ``grad_scaler``, the model moved to ``accelerator.device``. Where the Accelerator does not
     accumulate (``gradient_accumulation_steps`` 1), ``accumulate_calls=k`` is the script's own
@@ -66,18 +109,18 @@ def accelerator_options(
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind not in _DDP_TYPES:
         raise ConfigError(
-            f"TrainStep.from_accelerator runs data-parallel training with DDP, but the "
+            f"from_accelerator runs data-parallel training with DDP, but the "
             f"Accelerator is set up for {kind}; use accelerate's DDP (multi-GPU) configuration."
         )
     if "amp" in options:
         raise ConfigError(
-            "TrainStep.from_accelerator(..., amp=...) is set by the Accelerator "
+            "from_accelerator(..., amp=...) is set by the Accelerator "
             "(mixed_precision); set it there."
         )
     k = accelerator.gradient_accumulation_steps
     if "accumulate_calls" in options and k != 1:
         raise ConfigError(
-            f"TrainStep.from_accelerator(..., accumulate_calls={options['accumulate_calls']!r}) "
+            f"from_accelerator(..., accumulate_calls={options['accumulate_calls']!r}) "
             f"with Accelerator(gradient_accumulation_steps={k}): Accelerate owns the "
             "accumulation; drop accumulate_calls (the step follows accelerator.accumulate()), or "
             "keep the script's own accumulation with Accelerator(gradient_accumulation_steps=1), "
@@ -111,7 +154,7 @@ def _scaler_options(accelerator: Any, options: dict[str, Any]) -> dict[str, Any]
     kwargs = dict(handler.to_kwargs()) if handler is not None else {}
     if "grad_scaler" in options:
         raise ConfigError(
-            f"TrainStep.from_accelerator(..., grad_scaler={options['grad_scaler']!r}): the "
+            f"from_accelerator(..., grad_scaler={options['grad_scaler']!r}): the "
             "Accelerator sets fp16's loss scaling; pass accelerate.utils.GradScalerKwargs("
             "init_scale=..., ...) in Accelerator(kwargs_handlers=[...]) instead."
         )
@@ -141,33 +184,30 @@ def _check_not_prepared(accelerator: Any, model: object, optimizer: object) -> N
         "model in DDP itself, on the stream it captures with."
     )
     if type(optimizer).__name__ == "AcceleratedOptimizer":
-        raise ConfigError(
-            f"TrainStep.from_accelerator got an optimizer accelerator.prepare() wrapped; {fix}"
-        )
+        raise ConfigError(f"from_accelerator got an optimizer accelerator.prepare() wrapped; {fix}")
     prepared = getattr(accelerator, "_models", [])
     inner = getattr(model, "module", None)
     if any(m is model for m in prepared) or (
         isinstance(inner, nn.Module) and type(model).__name__ == "DistributedDataParallel"
     ):
         raise ConfigError(
-            f"TrainStep.from_accelerator got a model accelerator.prepare() already set up "
+            f"from_accelerator got a model accelerator.prepare() already set up "
             f"({type(model).__name__}); {fix}"
         )
 
 
-def attach(accelerator: Any, step: Any, model: nn.Module, *, window_said: bool = True) -> None:
+def attach(
+    accelerator: Any, step: TrainStep, model: nn.Module, ends: WindowEnds | None = None
+) -> None:
     """Make ``accelerator`` treat the TrainStep's model (``model``, as built) and optimizer as
-    prepared ones where its loop state and checkpoints need them: each call follows
-    ``sync_gradients``; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's
-    own run saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale
-    as well."""
-    _autocast_forward(accelerator, model)
-    if accelerator.gradient_accumulation_steps > 1:
-        step.loop_syncs = AccumulateBlocks(accelerator)
-    elif not window_said:  # a plain Accelerator() and no accumulate_calls: updates every call
-        step.loop_syncs = SchedulerSteps(accelerator)
-    # else: sync_gradients is True on every call; the window counts its calls (accumulate_calls
-    # the script passed) and ends at last=True
+    prepared ones where its loop state and checkpoints need them: ``ends`` (the step's
+    ``window_ends``, from :func:`window_ends`) starts counting the loop's ``accumulate()``
+    blocks; ``save_state`` / ``load_state`` take the model (with the keys Accelerate's own run
+    saves) and the optimizer, in Accelerate's own files; fp16 registers the loss scale as
+    well. The model's forward runs under Accelerate's autocast where a prepared model's would:
+    :func:`from_accelerator` wraps it before building the step."""
+    if isinstance(ends, AccumulateBlocks):
+        ends.count_blocks(accelerator)  # from here: a step that failed to build patches nothing
     refuse_script_steps(step.optimizer, "the TrainStep built by from_accelerator")
     # Accelerate keeps what went through prepare() in these lists; a scheduler prepared before
     # holds the same list of optimizers and so checks this one's step_was_skipped
@@ -206,7 +246,10 @@ class AccumulateBlocks:
     def __init__(self, accelerator: Any) -> None:
         self.state = accelerator.gradient_state
         self.steps = accelerator.gradient_accumulation_steps
-        self.blocks = 0  # accumulate() blocks entered since the step was built
+        self.blocks = 0  # accumulate() blocks entered since count_blocks
+
+    def count_blocks(self, accelerator: Any) -> None:
+        """Count the ``accumulate()`` blocks the loop enters from now on."""
         do_sync = getattr(accelerator, "_do_sync", None)  # private: accelerate 1.x's
         if do_sync is None:  # another accelerate: sync_gradients alone, unchecked
             self.blocks = 1
@@ -300,7 +343,7 @@ class SchedulerSteps:
             "% args.gradient_accumulation_steps == 0 or step == len(train_dataloader) - 1:`), "
             "but the TrainStep built by from_accelerator without accumulate_calls updates the "
             f"model on every call (it did so on calls 1 to {self.calls - 1}). Pass "
-            "accumulate_calls=k to TrainStep.from_accelerator and last=<that condition> to each "
+            "accumulate_calls=k to from_accelerator and last=<that condition> to each "
             f"call (train_step(batch, last=...)), at {line_outside(PACKAGE_DIR)}; or, if the "
             "script does update on every call and steps its scheduler on only some, pass "
             "accumulate_calls=1."

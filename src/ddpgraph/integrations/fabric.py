@@ -1,5 +1,4 @@
-"""Lightning Fabric with a graphed :class:`~ddpgraph.TrainStep`: :func:`from_fabric` (also
-``TrainStep.from_fabric``).
+"""Lightning Fabric with a graphed :class:`~ddpgraph.TrainStep`: :func:`from_fabric`.
 
 Fabric keeps launching, the device, the data loaders (``fabric.setup_dataloaders``: sampler,
 device moves) and logging; the TrainStep owns model, optimizer and DDP (Fabric would build its
@@ -10,21 +9,45 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
+from ..step.body import LossFn
+from ..step.train_step import TrainStep
 from ._forward import forward_under
+from ._optim import refuse_script_steps
 
-__all__ = ["amp_of", "fabric_options", "keep_precision"]
+__all__ = ["amp_of", "fabric_options", "from_fabric", "keep_precision"]
 
 _AMP = {"32-true": None, "32": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
 _STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy")
 
 
+def from_fabric(
+    fabric: Any,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn | None = None,
+    **options: Any,
+) -> TrainStep:
+    """A TrainStep set up as a Lightning ``Fabric`` says (precision as amp), whose forwards
+    through ``step.model`` run in Fabric's precision (:func:`fabric_options`). ``options`` are
+    TrainStep's; call on every rank, after ``fabric.launch()``, with the model and optimizer as
+    built (not through ``fabric.setup``)."""
+    chosen = fabric_options(fabric, model, optimizer, options)
+    # the script's forwards through step.model run in Fabric's precision; wrapped before the
+    # step is built, which captures the forward it is given
+    keep_precision(fabric, model)
+    step = TrainStep(model, optimizer, loss_fn, **chosen)
+    refuse_script_steps(optimizer, "the TrainStep built by from_fabric")
+    return step
+
+
 def fabric_options(
     fabric: Any, model: nn.Module, optimizer: Any, options: dict[str, Any]
 ) -> dict[str, Any]:
-    """``TrainStep.from_fabric``'s work: the TrainStep options ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
+    """:func:`from_fabric`'s work: the TrainStep options ``fabric`` says: its precision (``"bf16-mixed"``, ``"16-mixed"``,
     ``"32-true"``) as ``amp``, the model moved to ``fabric.device``; accumulate with
     ``accumulate_calls=k`` (it replaces ``fabric.no_backward_sync``), and pass ``last=True`` with
     an epoch's last batch where the loop steps on the epoch's leftover micro-batches (Fabric
@@ -38,12 +61,12 @@ def fabric_options(
     strategy = type(fabric.strategy).__name__
     if strategy not in _STRATEGIES:
         raise ConfigError(
-            f"TrainStep.from_fabric runs data-parallel training with DDP, but Fabric's strategy "
+            f"from_fabric runs data-parallel training with DDP, but Fabric's strategy "
             f"is {strategy}; use Fabric(strategy='ddp') (or one device)."
         )
     if "amp" in options:
         raise ConfigError(
-            "TrainStep.from_fabric(..., amp=...) is set by Fabric(precision=...); set it there."
+            "from_fabric(..., amp=...) is set by Fabric(precision=...); set it there."
         )
     model.to(fabric.device)
     ddp_kwargs = dict(getattr(fabric.strategy, "_ddp_kwargs", None) or {})
@@ -81,7 +104,7 @@ def _check_not_set_up(model: object, optimizer: object) -> None:
     for what, obj in (("model", model), ("optimizer", optimizer)):
         if is_wrapped(obj):
             raise ConfigError(
-                f"TrainStep.from_fabric got a {what} fabric.setup() already wrapped "
+                f"from_fabric got a {what} fabric.setup() already wrapped "
                 f"({type(obj).__name__}); pass the model and optimizer as built and set up only "
                 "the data loaders: loader = fabric.setup_dataloaders(loader). The TrainStep wraps "
                 "the model in DDP itself, on the stream it captures with."

@@ -26,6 +26,7 @@ from .parallel import wrap
 from .precision import Precision, precision_for
 from .report import StepReport
 from .runner import Runner
+from .window import WindowEnds
 
 __all__ = ["Parts", "assemble"]
 
@@ -52,6 +53,7 @@ def assemble(
     ddp_kwargs: Mapping[str, Any] | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     engine: GraphEngine | None,
+    window_ends: WindowEnds | None = None,
 ) -> Parts:
     """The parts of a TrainStep over ``model`` on ``device`` (options already validated)."""
     stream = capture_stream(device) if device.type == "cuda" else None
@@ -74,6 +76,7 @@ def assemble(
         options, body, graphs if isinstance(graphs, Graphs) else None,
         device=device, stream=stream, submodules=list(model.modules()),
         rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=report,
+        window_ends=window_ends,
     )  # fmt: skip
     on_epoch_end(runner.window.warn_at_epoch_end)
     lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []

@@ -35,7 +35,7 @@ from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
 from .policy import Phase, Plan, PolicyState
 from .report import CaptureRecord, StepReport, mode_words
-from .window import Window
+from .window import Window, WindowEnds
 
 __all__ = ["RunContext", "detached", "every_failure", "naming_the_failure"]
 
@@ -60,6 +60,7 @@ class RunContext:
         submodules: list[nn.Module],
         rewrap: Callable[[], DataParallel],
         report: StepReport,
+        window_ends: WindowEnds | None = None,
     ) -> None:
         self.options = options
         self.body = body
@@ -75,7 +76,8 @@ class RunContext:
         self.output: Any = None
         self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
         self.call_steps = 1  # training steps in the current call (step(data): up to K)
-        self.window = Window(options)  # accumulate_calls: where this call is in its window
+        # accumulate_calls: where this call is in its window (and what a framework's loop says)
+        self.window = Window(options, window_ends)
         self.compile_pending = bool(options.compile)  # compiled, not yet past its first forward
         self.start = time.perf_counter()
         self.reference: Signature | None = None  # the signature on_new_shape compares against

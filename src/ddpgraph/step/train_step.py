@@ -21,7 +21,6 @@ from .assembly import assemble
 from .batch import make_batch
 from .body import LossFn
 from .engine import GraphEngine
-from .frameworks import FromFrameworks
 from .optim import restore_identities, tensor_slots
 from .options import (
     GraphMode,
@@ -34,11 +33,12 @@ from .options import (
 )
 from .parallel import ParallelMode, unwrap
 from .report import Phase, StepReport
+from .window import WindowEnds
 
 __all__ = ["TrainStep"]
 
 
-class TrainStep(FromFrameworks):
+class TrainStep:
     """The whole training step as one callable: ``loss = step(x, y)`` or ``loss = step(batch)``.
 
     Batches (call it on every rank, the same number of times):
@@ -67,7 +67,10 @@ class TrainStep(FromFrameworks):
     Options (keyword-only, validated here; each documented on
     :class:`~ddpgraph.step.options.StepOptions`), and ``ddp_kwargs`` (extra DDP arguments;
     ``gradient_as_bucket_view=True`` by default), ``scheduler`` (in :meth:`state_dict`; stepped per
-    step by ``step(data)``), ``engine`` (CUDA graphs, or ``ddpgraph.testing.CpuGraphs()``).
+    step by ``step(data)``), ``engine`` (CUDA graphs, or ``ddpgraph.testing.CpuGraphs()``),
+    ``window_ends`` (a framework's loop state, asked on each call whether it ends the
+    ``accumulate_calls`` window: ``ddpgraph.integrations.accelerate.from_accelerator`` sets
+    Accelerate's ``sync_gradients``).
 
     With a process group the model is wrapped in DDP (``step.model``) on the capture stream;
     pass the bare module. Buffers follow DDP (rank 0's at each step's first forward, and at the
@@ -102,6 +105,7 @@ class TrainStep(FromFrameworks):
         check_finite: bool = False,
         sync_every_call: bool = False,
         guard: GuardMode = "events",
+        window_ends: WindowEnds | None = None,
     ) -> None:
         options = StepOptions(
             graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
@@ -115,7 +119,7 @@ class TrainStep(FromFrameworks):
         self.device = model_device(model)
         parts = assemble(
             model, optimizer, loss_fn, options, self.device,
-            ddp_kwargs=ddp_kwargs, scheduler=scheduler, engine=engine,
+            ddp_kwargs=ddp_kwargs, scheduler=scheduler, engine=engine, window_ends=window_ends,
         )  # fmt: skip
         self._precision, self._body, self._finite = parts.precision, parts.body, parts.finite
         self._report, self._runner, self._feed = parts.report, parts.runner, parts.feed
@@ -203,8 +207,8 @@ class TrainStep(FromFrameworks):
         self._report.steps += 1
         if self._shape_rule:
             policy.check_shape(batch)
-        if self.loop_syncs is not None:  # a framework's loop state (Accelerate's) has a say
-            last = self._loop_ends_window(policy.window, last, self._body.parallel)
+        if policy.window.ends is not None:  # a framework's loop state (Accelerate's) has a say
+            last = policy.window.loop_ends(last, self._body.parallel.script_sync())
         try:  # no frame of its own: this is the replayed path
             loss = policy.train(batch, 1, last=bool(last), window=window)
         except RuntimeError as exc:

@@ -9,24 +9,35 @@ A window's loss divisor is the script's: ``accumulate_calls`` (Accelerate, run_g
 cut short by ``last=True`` still divides by k), or with ``step(..., window=n)`` the window's own
 length n (timm's ``train.py`` divides its short last window by its length). A window the
 script's sync control ends short, with neither said, is refused: the step cannot know which.
+
+A framework whose own loop says where a window ends (Accelerate's ``sync_gradients`` in its
+``accumulate()`` blocks) gives the window its answer as ``ends`` (a TrainStep's
+``window_ends=``), asked on every call: :meth:`Window.loop_ends`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError
 from .batch import Batch, Role
 from .options import StepOptions, warn_at_user_line
 
-__all__ = ["Window"]
+__all__ = ["Window", "WindowEnds"]
+
+# a framework's loop state, asked on each call whether it ends the window, told whether the
+# script says so itself (last= passed, or its DDP's no_sync() in use): True (it ends), False (it
+# only accumulates) or None (the window counts its calls, last= and the script's sync control)
+WindowEnds = Callable[[bool], "bool | None"]
 
 
 class Window:
     """Where a TrainStep is in its accumulation window (one call per micro-batch)."""
 
-    def __init__(self, options: StepOptions) -> None:
+    def __init__(self, options: StepOptions, ends: WindowEnds | None = None) -> None:
         self.calls = options.accumulate_calls
+        self.ends = ends  # the framework's loop state, if it has a say
         self.defer_update = options.defer_update
         # accumulate_calls=1 without defer_update: every call is a whole window ("train"), so a
         # call without window= consults nothing here but the script's sync control
@@ -66,6 +77,27 @@ class Window:
             raise
         self._last_input = id(batch.tensors[0]) if batch.tensors else None
         return self.calls > 1 and self.micro_batches == 0
+
+    def loop_ends(self, last: bool | None, script_sync: bool | None) -> bool:
+        """``last``, or where the framework's loop state (:attr:`ends`) says this call syncs and
+        steps; the state is told whether the script says where its windows end itself (``last=``
+        passed, or its DDP's ``no_sync()`` in use: ``script_sync`` not None). A loop that says
+        "accumulate" on the window's last call would take more micro-batches per update than
+        the graphs hold: refused, naming both counts."""
+        assert self.ends is not None
+        syncs = self.ends(last is not None or script_sync is not None)
+        last = bool(last)
+        if syncs is None:
+            return last
+        if not syncs and not last and self.micro_batches == self.calls - 1:
+            raise ConfigError(
+                f"Accelerate says this call only accumulates (sync_gradients=False), but it "
+                f"is call {self.calls} of the TrainStep's window (accumulate_calls="
+                f"{self.calls}), which syncs and steps: call the step once inside each "
+                "`with accelerator.accumulate(model):` block, the same number of times as "
+                "gradient_accumulation_steps says."
+            )
+        return last or syncs
 
     def role(self) -> Role:
         """ "micro" for a call that only accumulates, "train" for one that steps the optimizer

@@ -467,6 +467,13 @@ class _Analysis:
 # --- helpers --------------------------------------------------------------------------------
 
 
+# the integrations' functions that build a TrainStep as a framework is set up
+_FRAMEWORK_BUILDERS = (
+    "ddpgraph.integrations.accelerate.from_accelerator",
+    "ddpgraph.integrations.fabric.from_fabric",
+)
+
+
 def _train_steps(mod: Module) -> dict[str, list[ast.Assign]]:
     """Names (``step``, ``self.step``) bound to a graphed ddpgraph TrainStep, with the
     assignments that build one."""
@@ -477,14 +484,11 @@ def _train_steps(mod: Module) -> dict[str, list[ast.Assign]]:
     for node in ast.walk(mod.tree):
         if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)):
             continue
-        func = node.value.func
         name = mod.call_name(node.value) or ""
-        if isinstance(func, ast.Attribute) and func.attr.startswith("from_"):
-            name = mod.qualname(func.value) or ""
         mode = kwarg(node.value, "graph")
         if isinstance(mode, ast.Constant) and mode.value == "never":
             continue  # eager: its output is the model's own, not a graph's
-        if name == "TrainStep" or name.endswith(".TrainStep"):
+        if name == "TrainStep" or name.endswith(".TrainStep") or name in _FRAMEWORK_BUILDERS:
             for target in node.targets:
                 steps.setdefault(text(target), []).append(node)
     return steps
