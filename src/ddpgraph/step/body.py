@@ -119,7 +119,6 @@ class StepBody:
             if norm is None and self.parallel.shards_gradients:
                 norm = self.parallel.grad_norm()  # all-reduced: a shard's NaN seen by every rank
             self.finite.record(_grads(self.optimizer), norm)
-        self.parallel.after_step()
         if self.accumulate_calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
 

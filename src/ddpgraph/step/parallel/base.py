@@ -11,7 +11,16 @@ from torch import nn
 
 from ...facts import DDP_STATS_SAMPLE_RATE, ddp_count_allows_capture
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "agree_over"]
+
+
+def agree_over(group: Any, device: torch.device, ok: bool, dirty: bool) -> tuple[bool, bool]:
+    """(every rank's ``ok``, any rank's ``dirty``) over ``group``: one all-reduce of two ints,
+    the same for every wrapper with peers."""
+    flags = torch.tensor([int(ok), int(not dirty)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+    every_ok, none_dirty = flags.tolist()
+    return bool(every_ok), not none_dirty
 
 
 class DataParallel:
@@ -62,9 +71,6 @@ class DataParallel:
         """Rank 0's buffers to every rank now (a collective: every rank at the same call), as
         DDP's forward starts: before an ``accumulate_calls`` window's first call and before the
         first evaluation after a training step. A no-op without buffers to sync."""
-
-    def after_step(self) -> None:
-        """At the end of each optimizer step (inside the graph): what the wrapper needs there."""
 
     def follow_trainable(self) -> bool:
         """Rebuild the wrapper over the parameters that require gradients now, if that set

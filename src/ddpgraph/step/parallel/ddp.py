@@ -30,7 +30,7 @@ from ..._typed_torch import (
 from ...errors import CaptureError, ConfigError
 from ...facts import DDP_STATS_SAMPLE_RATE
 from ..graphs import on_stream
-from .base import DataParallel
+from .base import DataParallel, agree_over
 
 __all__ = ["DDP", "check_not_ddp", "inner_of"]
 
@@ -168,10 +168,7 @@ class DDP(DataParallel):
         return all(self.count_allows_capture(n) for n in range(first, first + steps))
 
     def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([int(ok), int(not dirty)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.ddp.process_group)
-        every_ok, none_dirty = flags.tolist()
-        return bool(every_ok), not none_dirty
+        return agree_over(self.ddp.process_group, self.device, ok, dirty)
 
     def peer_group(self) -> Any:
         return self.ddp.process_group

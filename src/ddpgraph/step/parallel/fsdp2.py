@@ -32,7 +32,7 @@ from torch import nn
 from ...errors import CaptureError, ConfigError
 from ..graphs import on_stream
 from ..live_graphs import find_earlier_graph, fresh_accumulators
-from .base import DataParallel
+from .base import DataParallel, agree_over
 
 __all__ = [
     "FSDP2",
@@ -67,7 +67,7 @@ class FSDP2(DataParallel):
     * Gradient sync: FSDP2 reduce-scatters each block's gradients in backward; an accumulating
       micro-step turns that off with ``set_requires_gradient_sync(False)`` for its backward.
     * Buffers: FSDP2 does not broadcast buffers (BatchNorm statistics stay per rank, as in a
-      plain FSDP2 loop); :meth:`after_step` does nothing.
+      plain FSDP2 loop).
     * Evaluation runs the root's forward (FSDP2 all-gathers each block) without gradients; the
       root's own parameters, which FSDP2 keeps gathered after a no-grad forward, are resharded
       at its end, so every graph starts from the sharded state.
@@ -207,10 +207,7 @@ class FSDP2(DataParallel):
         return True
 
     def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
-        flags = torch.tensor([int(ok), int(not dirty)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
-        every_ok, none_dirty = flags.tolist()
-        return bool(every_ok), not none_dirty
+        return agree_over(self.group, self.device, ok, dirty)
 
     def capture_problem(
         self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
