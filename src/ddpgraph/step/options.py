@@ -36,7 +36,7 @@ NewShapePolicy = Literal["eager", "capture", "error"]
 GuardMode = Literal["full", "events"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOptions:
     """TrainStep's options, validated when the TrainStep is built (keyword-only there).
 

@@ -108,9 +108,12 @@ class TrainStep:
         window_ends: WindowEnds | None = None,
     ) -> None:
         options = StepOptions(
-            graph, amp, accumulate, clip_grad_norm, on_new_shape, warmup, compile,
-            channels_last, grad_scaler, accumulate_calls, steps_per_replay, grad_norm,
-            defer_update, parallel, check_finite, sync_every_call, guard,
+            graph=graph, amp=amp, accumulate=accumulate, clip_grad_norm=clip_grad_norm,
+            on_new_shape=on_new_shape, warmup=warmup, compile=compile,
+            channels_last=channels_last, grad_scaler=grad_scaler,
+            accumulate_calls=accumulate_calls, steps_per_replay=steps_per_replay,
+            grad_norm=grad_norm, defer_update=defer_update, parallel=parallel,
+            check_finite=check_finite, sync_every_call=sync_every_call, guard=guard,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
         check_compile_fits(model, compile)
