@@ -82,11 +82,14 @@ class GraphKey(NamedTuple):
         return self.signature.kind == "data"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Batch:
     """A call's tensors, named, with their :class:`Signature` computed once where the batch is
     made (the key of every graph lookup: a replayed call reads it, never rebuilds it). Make one
-    with :func:`make_batch`, :func:`data_batch`, :func:`gathered_batch` or :func:`batch_of`."""
+    with :func:`make_batch`, :func:`data_batch`, :func:`gathered_batch` or :func:`batch_of`;
+    treat it as immutable (:meth:`with_tensors` makes another). Not frozen: a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``, 0.5-1 µs of every
+    replayed call."""
 
     kind: Kind
     names: tuple[str, ...]
