@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["OutputWriteError", "why_not_written", "write_file"]
+__all__ = ["OutputWriteError", "why_not_written", "write_atomically", "write_file"]
 
 # How a failed write reads in an OSError's text, or in the text of an error that wraps one
 # (DCP's CheckpointException): ENOSPC and EDQUOT, torch's short-write check for a full disk.
@@ -33,6 +33,22 @@ def write_file(path: Path, content: str | bytes | Callable[[Path], None], *, fix
     Raises :class:`OutputWriteError` naming ``path``, the free space, the cause and the fix (``fix``
     says where else to write, e.g. "pass another --out") when any step fails.
     """
+    try:
+        write_atomically(path, content.encode() if isinstance(content, str) else content)
+    except OSError as exc:
+        cause = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+        reason, remedy = why_not_written(path.parent, cause)
+        raise OutputWriteError(
+            f"could not write {path}: {reason}. {remedy} or {fix}; nothing half-written was left."
+        ) from None
+    return path
+
+
+def write_atomically(path: Path, content: bytes | Callable[[Path], None]) -> None:
+    """Write ``content`` (bytes, or a function that writes the file it is given) beside
+    ``path``, fsync it and rename it over ``path``: a reader sees the old file or the new one.
+    Raises the ``OSError``; the partial file is removed. The checkpoints' ``latest`` pointer and
+    every result file are written here."""
     partial: Path | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,19 +58,14 @@ def write_file(path: Path, content: str | bytes | Callable[[Path], None], *, fix
             content(partial)
         else:
             with open(partial, "xb") as file:
-                file.write(content.encode() if isinstance(content, str) else content)
+                file.write(content)
                 file.flush()
                 os.fsync(file.fileno())
         os.replace(partial, path)
-    except OSError as exc:
+    except OSError:
         if partial is not None:
             partial.unlink(missing_ok=True)
-        cause = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
-        reason, remedy = why_not_written(path.parent, cause)
-        raise OutputWriteError(
-            f"could not write {path}: {reason}. {remedy} or {fix}; nothing half-written was left."
-        ) from None
-    return path
+        raise
 
 
 def why_not_written(folder: Path, cause: str) -> tuple[str, str]:

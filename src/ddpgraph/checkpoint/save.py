@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._files import why_not_written
+from .._files import why_not_written, write_atomically
 from .._globals import Global, process_global
 from .._log import get_logger
 from ..distributed.runtime import on_shutdown
@@ -408,7 +408,7 @@ def _commit_on_rank0(save: _Save) -> str | None:
         else:
             os.rename(partial, final)
         _fsync_dir(root)
-        _write_synced(root / LATEST, final.name + "\n", atomic=True)
+        write_atomically(root / LATEST, (final.name + "\n").encode())
         _prune(root, save.keep_last)
     except OSError as exc:
         _remove_partial(save)
@@ -420,14 +420,12 @@ def _commit_on_rank0(save: _Save) -> str | None:
     return None
 
 
-def _write_synced(path: Path, text: str, *, atomic: bool = False) -> None:
-    target = path.with_name(path.name + ".tmp") if atomic else path
-    with open(target, "w") as f:
+def _write_synced(path: Path, text: str) -> None:
+    # inside the partial directory, which one rename makes visible: no rename of its own
+    with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    if atomic:
-        os.replace(target, path)
 
 
 def _fsync_dir(path: Path) -> None:
