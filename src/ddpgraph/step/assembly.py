@@ -69,9 +69,7 @@ def assemble(
     finite = FiniteCheck(device) if options.check_finite else None
     body.finite = finite
     report = StepReport(mode="eager", steps_per_replay=options.steps_per_replay)
-    graphs = build_graphs(
-        engine, options, device, body.parallel, lambda: body.parallel.module.parameters(), optimizer
-    )
+    graphs = build_graphs(engine, options, device, body.parallel, optimizer)
     runner = Runner(
         options, body, graphs if isinstance(graphs, Graphs) else None,
         device=device, stream=stream, submodules=list(model.modules()),

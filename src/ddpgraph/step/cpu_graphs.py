@@ -24,7 +24,6 @@ from .graphs import (
     CapturedGraph,
     CaptureFailure,
     Graphs,
-    Parameters,
     Replayed,
     first_capture_error,
 )
@@ -53,7 +52,6 @@ class CpuGraphs:
 
     def build(
         self,
-        parameters: Parameters,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
@@ -62,7 +60,7 @@ class CpuGraphs:
         plan = plan_graph_safety(optimizer, device, fp16=fp16)
         if isinstance(plan, str):
             return plan
-        return CpuGraphSet(parameters, plan, self.fail)
+        return CpuGraphSet(plan, self.fail)
 
 
 class CpuGraphSet(Graphs):
@@ -70,11 +68,10 @@ class CpuGraphSet(Graphs):
 
     engine = CpuGraphs.name
 
-    def __init__(self, parameters: Parameters, plan: Any, fail: FailWhen) -> None:
-        super().__init__(None, parameters, plan)
+    def __init__(self, plan: Any, fail: FailWhen) -> None:
+        super().__init__(None, plan)
         self._fail = fail
         self._programs: dict[GraphKey, Program] = {}
-        self.captured_keys: list[GraphKey] = []  # every capture, in order (tests read it)
 
     def capture(
         self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
@@ -92,7 +89,6 @@ class CpuGraphSet(Graphs):
         captured = CapturedGraph(None, static.tensors, output)
         self._graphs[key] = captured
         self._programs[key] = program
-        self.captured_keys.append(key)
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from .graphs import Graphs, Parameters, capture_stream
+from .graphs import Graphs, capture_stream
 from .optim import graph_safety_problem, plan_graph_safety
 from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
@@ -26,7 +26,6 @@ class GraphEngine(Protocol):
 
     def build(
         self,
-        parameters: Parameters,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
@@ -39,7 +38,6 @@ class CudaGraphEngine:
 
     def build(
         self,
-        parameters: Parameters,
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
@@ -48,7 +46,7 @@ class CudaGraphEngine:
         plan = plan_graph_safety(optimizer, device, fp16=fp16)
         if isinstance(plan, str):
             return plan
-        return Graphs(capture_stream(device), parameters, plan)
+        return Graphs(capture_stream(device), plan)
 
 
 CUDA_GRAPHS = CudaGraphEngine()
@@ -65,7 +63,6 @@ def build_graphs(
     options: StepOptions,
     device: torch.device,
     parallel: DataParallel,
-    parameters: Parameters,
     optimizer: torch.optim.Optimizer,
 ) -> Graphs | str:
     """The step's graphs, or why it runs eagerly.
@@ -99,4 +96,4 @@ def build_graphs(
             warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
         if engine is None or problem is not None:
             return NoCuda(f"the model is on {device}, not CUDA")
-    return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)
+    return (engine or CUDA_GRAPHS).build(optimizer, device, fp16=fp16)

@@ -101,7 +101,7 @@ class Follower:
             get_logger().info("TrainStep: %s", "; ".join(news))
             return
         if self._graphs is not None:
-            for param in self._graphs.watched():
+            for param in self._parallel().module.parameters():
                 if not param.requires_grad:
                     param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
         dropped = self.drop_training()
@@ -133,8 +133,6 @@ class Follower:
         graphs = self._graphs
         self.guard.forget_optimizer()
         dropped = graphs.drop_all() if graphs is not None else 0
-        if graphs is not None:
-            graphs.parameters_changed()
         then = f"; it drops its {dropped} graph(s) and captures again" if dropped else ""
         warn_at_user_line(
             f"TrainStep follows a model changed outside it ({found.describe()}): its wrapper "

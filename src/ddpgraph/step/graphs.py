@@ -19,13 +19,12 @@ import gc
 import os
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import is_
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from .._frames import PACKAGE_DIR
 from .._globals import Global, process_global
@@ -44,7 +43,6 @@ __all__ = [
 ]
 
 ReplayHook = Callable[[torch.cuda.Stream], None]
-Parameters = Callable[[], Iterable[nn.Parameter]]
 
 
 _CAPTURE_STREAMS: Global[dict[int, torch.cuda.Stream]] = process_global(
@@ -111,9 +109,8 @@ class Graphs:
     ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
     nothing) and keeps the graph; ``replay(key, batch)`` syncs the LR tensors, copies the batch
     into the static inputs, replays and runs the hooks (what a script changed since the last
-    call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph and the pool, so the memory returns to PyTorch's
-    allocator. ``parameters()`` gives the wrapped model's parameters (the trainable ones are
-    the graphs' to guard; a re-capture reads them again).
+    call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph
+    and the pool, so the memory returns to PyTorch's allocator.
     """
 
     engine = "cuda-graphs"  # what report().engine names
@@ -121,7 +118,6 @@ class Graphs:
     def __init__(
         self,
         stream: torch.cuda.Stream | None,
-        parameters: Parameters,
         plan: GraphSafeOptimizer,
     ) -> None:
         self._stream = stream
@@ -129,27 +125,13 @@ class Graphs:
         self.captured = self._graphs  # read-only view for `key in graphs.captured` (no frame)
         self._pool: Any = None
         self.plan = plan
-        self._parameters = parameters
-        self.params = _trainable(parameters())
         self.uncapturable: set[GraphKey] = set()
         self._hooks: list[ReplayHook] = []
 
     # ------------------------------------------------------------------ lookup
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def __contains__(self, key: GraphKey) -> bool:
-        return key in self._graphs
-
-    def __iter__(self) -> Iterator[GraphKey]:
-        return iter(self._graphs)
-
     def keys_of(self, role: Role) -> list[GraphKey]:
         """The keys of ``role`` ("train", "micro" or "eval"), oldest first."""
         return [key for key in self._graphs if key.role == role]
-
-    def get(self, key: GraphKey) -> CapturedGraph | None:
-        return self._graphs.get(key)
 
     def bare_graph(self) -> torch.cuda.CUDAGraph | None:
         """The first training graph of a batch of tensors (a ``step(data)`` graph gathers at a
@@ -158,15 +140,6 @@ class Graphs:
             if not key.reads_device_data:
                 return self._graphs[key].graph
         return None
-
-    def parameters_changed(self) -> None:
-        """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
-        self.params = _trainable(self._parameters())
-
-    def watched(self) -> list[nn.Parameter]:
-        """What the replay guard watches: every parameter, frozen ones too (a graph reads them
-        in the forward, and unfreezing one must re-capture as freezing does)."""
-        return list(self._parameters())
 
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
@@ -262,10 +235,6 @@ class Graphs:
         self._graphs.clear()
         self._pool = None
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
-
-
-def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    return [p for p in parameters if p.requires_grad]
 
 
 def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:

@@ -160,7 +160,10 @@ class RunContext:
         graphs = self.graphs_or_fail()
         result = graphs.capture(key, batch, body)
         if isinstance(result, CapturedGraph):
-            self.follower.guard.watch_optimizer(graphs.watched(), graphs.plan.optimizer)
+            # every parameter, frozen ones too: a graph reads them in the forward, and
+            # unfreezing one must re-capture as freezing does
+            parameters = list(self.parallel.module.parameters())
+            self.follower.guard.watch_optimizer(parameters, graphs.plan.optimizer)
         return result
 
     def record_capture(self, key: GraphKey, started: float) -> None:

@@ -176,8 +176,6 @@ class Runner(RunContext):
             if not param.requires_grad:
                 param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
         self.follower.drop_training()
-        if self.graphs is not None:
-            self.graphs.parameters_changed()
         get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def check_open(self, what: str) -> None:
