@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from .batch import Batch, GraphKey
+from .capture_errors import first_capture_error
 from .graphs import (
     CapturedGraph,
     CaptureFailure,
     Graphs,
     Replayed,
-    first_capture_error,
 )
 from .optim import lr_of, plan_graph_safety
 from .recording import Program, record
