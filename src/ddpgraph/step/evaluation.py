@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .batch import Batch, GraphKey, describe
-from .graphs import CaptureFailure, on_stream
+from .engine import CaptureFailure
+from .graphs import on_stream
 from .run_context import RunContext, training_of
 
 __all__ = ["EVAL_WARMUP", "evaluate"]

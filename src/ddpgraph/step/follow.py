@@ -14,7 +14,8 @@ from torch import nn
 
 from .._log import get_logger
 from ..errors import ConfigError
-from .graphs import Graphs, on_stream
+from .engine import GraphSet
+from .graphs import on_stream
 from .guard import Guard, Seen
 from .options import warn_at_user_line
 from .parallel import DataParallel
@@ -45,7 +46,7 @@ class Follower:
     def __init__(
         self,
         parallel: Callable[[], DataParallel],
-        graphs: Graphs | None,
+        graphs: GraphSet | None,
         report: StepReport,
         device: torch.device,
         stream: torch.cuda.Stream | None,

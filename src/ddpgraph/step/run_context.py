@@ -27,9 +27,9 @@ from ..errors import CaptureError
 from ..facts import DEFAULT_WARMUP
 from .batch import Batch, GraphKey, Signature, describe
 from .body import StepBody
+from .engine import CapturedGraph, CaptureFailure, GraphSet
 from .events import changes as _changes
 from .follow import Follower
-from .graphs import CapturedGraph, CaptureFailure, Graphs
 from .guard import Seen
 from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
@@ -53,7 +53,7 @@ class RunContext:
         self,
         options: StepOptions,
         body: StepBody,
-        graphs: Graphs | None,
+        graphs: GraphSet | None,
         *,
         device: torch.device,
         stream: torch.cuda.Stream | None,
@@ -119,7 +119,7 @@ class RunContext:
     def to_device(self, batch: Batch) -> Batch:
         return batch.to(self.device, channels_last=self.options.channels_last)
 
-    def graphs_or_fail(self) -> Graphs:
+    def graphs_or_fail(self) -> GraphSet:
         assert self.graphs is not None  # only the graphed phases get here
         return self.graphs
 

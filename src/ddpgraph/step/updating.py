@@ -13,7 +13,8 @@ import time
 import torch
 
 from .batch import NO_BATCH, GraphKey
-from .graphs import CaptureFailure, on_stream
+from .engine import CaptureFailure
+from .graphs import on_stream
 from .policy import Phase
 from .run_context import RunContext
 
