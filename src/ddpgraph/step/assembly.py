@@ -20,13 +20,14 @@ from .body import LossFn, StepBody
 from .engine import GraphEngine, GraphSet
 from .feed import DataFeed
 from .finite import FiniteCheck
-from .graphs import CUDA_GRAPHS, capture_stream
+from .graphs import CUDA_GRAPHS
 from .optim import graph_safety_problem, plan_graph_safety
 from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel, wrap
 from .precision import Precision, precision_for
 from .report import StepReport
 from .runner import Runner
+from .streams import capture_stream
 from .window import WindowEnds
 
 __all__ = ["Graphing", "Parts", "assemble", "build_graphs"]

@@ -13,9 +13,9 @@ import torch
 
 from .batch import Batch, Role
 from .compiling import first_forward_failure
-from .graphs import on_stream
 from .policy import Phase
 from .run_context import RunContext, detached, every_failure
+from .streams import on_stream
 from .syncs import record_host_syncs
 
 __all__ = ["eager"]

@@ -14,8 +14,8 @@ from typing import Any
 
 from .batch import Batch, GraphKey, describe
 from .engine import CaptureFailure
-from .graphs import on_stream
 from .run_context import RunContext, training_of
+from .streams import on_stream
 
 __all__ = ["EVAL_WARMUP", "evaluate"]
 

@@ -15,11 +15,11 @@ from torch import nn
 from .._log import get_logger
 from ..errors import ConfigError
 from .engine import GraphSet
-from .graphs import on_stream
 from .guard import Guard, Seen
 from .options import warn_at_user_line
 from .parallel import DataParallel
 from .report import StepReport
+from .streams import on_stream
 
 __all__ = ["Follower"]
 

@@ -6,7 +6,7 @@ optimizer's LR tensors (through the graph-safe plan) and the hooks run after a r
 watchdog registers one); its keys are kept by :class:`~.graph_table.GraphTable`, as the CPU
 stand-in's (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`, which drives the real policy in CI).
 The runner keeps the rest: when to capture, what to do when a capture fails, which key a batch
-has. Also here: the capture stream of each device, on which every step runs.
+has. The capture stream each step runs on is :mod:`.streams`'s.
 
 Training and evaluation graphs share the pool (as Megatron does): the step never runs two of them
 at once (they replay on one stream) and every graph's outputs stay allocated while the graph
@@ -15,56 +15,21 @@ lives, so a later capture can only reuse memory that earlier graphs use as scrat
 
 from __future__ import annotations
 
-import contextlib
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any
 
 import torch
 
-from .._globals import Global, process_global
-from .._typed_torch import cuda_stream
 from .batch import Batch, GraphKey
 from .capture_errors import first_capture_error
 from .engine import CapturedGraph, CaptureFailure, Replayed, ReplayHook
 from .graph_table import GraphTable
 from .optim import GraphSafeOptimizer, lr_of
+from .streams import capture_stream
 
-__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "CudaGraphSet", "capture_stream", "on_stream"]
-
-_CAPTURE_STREAMS: Global[dict[int, torch.cuda.Stream]] = process_global(
-    "graphs.capture_streams", dict, reset_at_shutdown=False
-)
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device, shared by every TrainStep on it.
-
-    cuBLAS keeps a workspace (tens of MiB) per stream for the life of the process: a stream per
-    TrainStep would leave one behind for every TrainStep ever built. Steps on one stream run in
-    the order they are called, as on the default stream.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _CAPTURE_STREAMS.value
-    if index not in streams:
-        streams[index] = cuda_stream(index)
-    return streams[index]
-
-
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
-    """Run on the capture stream (CUDA), or where the caller is (CPU: ``stream`` is None)."""
-    return contextlib.nullcontext() if stream is None else _side_stream(stream)
-
-
-@contextlib.contextmanager
-def _side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
-    # The side stream waits for the caller's work (e.g. the batch's H2D copy) and the caller's
-    # stream waits for the step, so the user's loop needs no synchronisation of its own.
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream(stream.device).wait_stream(stream)
+__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "CudaGraphSet"]
 
 
 class CudaGraphEngine:

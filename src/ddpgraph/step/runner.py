@@ -34,9 +34,9 @@ from .batch import Batch, GraphKey, Role, describe, differences
 from .capturing import capture_and_replay, first_capture
 from .eager import eager
 from .events import changes as _changes
-from .graphs import on_stream
 from .policy import Action, Call, Phase, decide
 from .run_context import RunContext, training_of
+from .streams import on_stream
 
 __all__ = ["Runner"]
 

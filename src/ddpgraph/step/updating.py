@@ -14,9 +14,9 @@ import torch
 
 from .batch import NO_BATCH, GraphKey
 from .engine import CaptureFailure
-from .graphs import on_stream
 from .policy import Phase
 from .run_context import RunContext
+from .streams import on_stream
 
 __all__ = ["update"]
 
