@@ -23,7 +23,7 @@ import torch
 
 from .batch import Batch, GraphKey
 from .capture_errors import first_capture_error
-from .engine import CapturedGraph, CaptureFailure, Replayed, ReplayHook
+from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
 from .graph_table import GraphTable
 from .optim import GraphSafeOptimizer, lr_of
 from .recording import Program, record
@@ -47,7 +47,7 @@ class CpuGraphs:
     def __init__(self, fail: FailWhen = lambda key: False) -> None:
         self.fail = fail
 
-    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> CpuGraphSet:
+    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> GraphSet:
         return CpuGraphSet(plan, self.fail)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from .batch import Batch, GraphKey
 from .capture_errors import first_capture_error
-from .engine import CapturedGraph, CaptureFailure, Replayed, ReplayHook
+from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
 from .graph_table import GraphTable
 from .optim import GraphSafeOptimizer, lr_of
 from .streams import capture_stream
@@ -35,7 +35,7 @@ __all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "CudaGraphSet"]
 class CudaGraphEngine:
     """Real CUDA graphs on the device's capture stream (the default engine on CUDA)."""
 
-    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> CudaGraphSet:
+    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> GraphSet:
         return CudaGraphSet(capture_stream(device), plan)
 
 
