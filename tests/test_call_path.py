@@ -80,3 +80,29 @@ def test_no_class_in_step_is_longer_than_its_budget():
         and node.end_lineno - node.lineno + 1 > CLASS_LINES
     ]
     assert not long, f"classes over {CLASS_LINES} lines: {long}"
+
+
+def _step_imports(module: str) -> set[str]:
+    """The ``ddpgraph.step`` modules ``step/<module>.py`` imports when it runs (relative
+    imports; those under ``if TYPE_CHECKING:`` are for the type checker only)."""
+    tree = ast.parse((Path(ddpgraph.step.__file__).parent / f"{module}.py").read_text())
+    typing_only = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+    return {
+        node.module or ""
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and id(node) not in typing_only
+    }
+
+
+def test_the_engines_meet_only_in_the_protocol_and_the_shared_key_table():
+    """Issue 51 stage 4: the CPU engine does not build on the CUDA one (it imports nothing of
+    ``graphs.py``), and the protocol module imports no other part of the step but ``batch``."""
+    assert "graphs" not in _step_imports("cpu_graphs"), _step_imports("cpu_graphs")
+    assert {"engine", "graph_table"} <= _step_imports("cpu_graphs")
+    assert {"engine", "graph_table"} <= _step_imports("graphs")
+    assert _step_imports("engine") == {"batch"}, _step_imports("engine")

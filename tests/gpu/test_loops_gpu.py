@@ -180,7 +180,7 @@ def test_timm_vit_graphed_is_within_eager_noise(rt):
 
 
 def test_close_frees_the_graphs_and_dropping_the_step_returns_the_memory(rt):
-    stream = ddpgraph.step.graphs.capture_stream(torch.device("cuda"))
+    stream = ddpgraph.step.streams.capture_stream(torch.device("cuda"))
     with torch.cuda.stream(stream):  # its cuBLAS workspace lives as long as the process
         torch.ones(8, 8, device="cuda") @ torch.ones(8, 8, device="cuda")
     torch.cuda.synchronize()

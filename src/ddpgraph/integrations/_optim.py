@@ -9,7 +9,7 @@ import torch
 
 from .._frames import PACKAGE_DIR, in_directories, line_outside
 from ..errors import ConfigError
-from ..step.graphs import TORCH_DIR
+from ..step.capture_errors import TORCH_DIR
 
 __all__ = ["OptimizerView", "refuse_script_steps", "scaler_reports_skips"]
 

@@ -12,7 +12,10 @@ Where each concept lives (one home each):
 ``policy``         phases, warm-up, rank agreement, fallbacks, new shapes and modes
 ``batch``          a call's batch, its :class:`~.batch.Signature` and the typed
                    :class:`~.batch.GraphKey`
-``graphs``         the graphs' owner (pool, static buffers, replay guard, hooks) and the engine
+``engine``         the engine protocol (``GraphSet``, ``GraphEngine``) and what a capture returns
+``graph_table``    the key bookkeeping both engines share (no CUDA)
+``graphs``         the CUDA engine: pool, static buffers, replay hooks
+``streams``        the capture stream of each device, and ``on_stream``
 ``cpu_graphs``     the CPU stand-in engine (tests, dry runs)
 ``feed``           ``step(data)`` over a DeviceData, each step's LR, rolled back on failure
 ``optim``          optimizer graph-safety (capturable/fused, LR on the device, in-place loads)

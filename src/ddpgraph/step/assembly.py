@@ -17,18 +17,20 @@ from torch import nn
 from ..data.device_data import on_epoch_end
 from ..distributed import watchdog
 from .body import LossFn, StepBody
-from .engine import GraphEngine, NoCuda, build_graphs
+from .engine import GraphEngine, GraphSet
 from .feed import DataFeed
 from .finite import FiniteCheck
-from .graphs import Graphs, capture_stream
-from .options import StepOptions
-from .parallel import wrap
+from .graphs import CUDA_GRAPHS
+from .optim import graph_safety_problem, plan_graph_safety
+from .options import StepOptions, warn_at_user_line
+from .parallel import DataParallel, wrap
 from .precision import Precision, precision_for
 from .report import StepReport
 from .runner import Runner
+from .streams import capture_stream
 from .window import WindowEnds
 
-__all__ = ["Parts", "assemble"]
+__all__ = ["Graphing", "Parts", "assemble", "build_graphs"]
 
 
 @dataclass(frozen=True)
@@ -69,26 +71,25 @@ def assemble(
     finite = FiniteCheck(device) if options.check_finite else None
     body.finite = finite
     report = StepReport(mode="eager", steps_per_replay=options.steps_per_replay)
-    graphs = build_graphs(
-        engine, options, device, body.parallel, lambda: body.parallel.module.parameters(), optimizer
-    )
+    graphing = build_graphs(engine, options, device, body.parallel, optimizer)
+    graphs = graphing.graphs
     runner = Runner(
-        options, body, graphs if isinstance(graphs, Graphs) else None,
+        options, body, graphs,
         device=device, stream=stream, submodules=list(model.modules()),
         rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=report,
         window_ends=window_ends,
     )  # fmt: skip
     on_epoch_end(runner.window.warn_at_epoch_end)
-    lr_tensors = graphs.plan.lr_tensors if isinstance(graphs, Graphs) else []
+    lr_tensors = graphs.plan.lr_tensors if graphs is not None else []
     feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
     body.feed = feed
-    if isinstance(graphs, Graphs):
+    if graphs is not None:
         report.optimizer_changes = list(graphs.plan.described)
         report.engine = graphs.engine
-    if isinstance(graphs, Graphs) and stream is not None:
+    if graphs is not None and stream is not None:
         graphs.register_replay_hook(watchdog.replay_hook(report))
-    if isinstance(graphs, str):
-        runner.enter_eager(str(graphs), warn=not isinstance(graphs, NoCuda))
+    if graphs is None:
+        runner.enter_eager(graphing.reason, warn=graphing.warn)
     report.mode = runner.phase.value
     return Parts(precision, body, finite, report, runner, feed)
 
@@ -98,3 +99,65 @@ def _compiled(model: nn.Module, options: bool | Mapping[str, Any]) -> nn.Module:
     # whole step). DDP goes around the compiled module: torch.compile(DDP(m)) compiles nothing.
     kwargs = dict(options) if isinstance(options, Mapping) else {}
     return torch.compile(model, **kwargs)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Graphing:
+    """What :func:`build_graphs` decided, read once by :func:`assemble`: the step's graph set,
+    or (``graphs`` None) the ``reason`` it runs eagerly, warned of unless ``warn`` is False (a
+    CPU step without an engine: eager by design, the reason only in the report)."""
+
+    graphs: GraphSet | None
+    reason: str = ""
+    warn: bool = True
+
+
+def _inductor(compile_option: object) -> bool:
+    """Whether TrainStep's ``compile=`` option compiles with Inductor (torch.compile's default)."""
+    backend = compile_option.get("backend") if isinstance(compile_option, Mapping) else None
+    return backend in (None, "inductor")
+
+
+def build_graphs(
+    engine: GraphEngine | None,
+    options: StepOptions,
+    device: torch.device,
+    parallel: DataParallel,
+    optimizer: torch.optim.Optimizer,
+) -> Graphing:
+    """The step's graph set (``engine``'s, CUDA graphs by default), or why it runs eagerly.
+
+    Without CUDA and without an engine the optimizer is left as it is, but one that could not
+    be captured is named in a warning, so a CPU dry run tells what the GPU run would do.
+    """
+    if options.graph == "never":
+        return Graphing(None, "graph='never'")
+    fp16 = options.amp == "fp16"
+    # what the wrapper cannot capture (FSDP2: CPU offload, SGD on DTensors), before the
+    # optimizer is made graph-safe
+    problem = parallel.capture_problem(
+        optimizer, fp16=fp16, accumulate_calls=options.accumulate_calls
+    )
+    if problem is not None:
+        return Graphing(None, problem)
+    if (
+        options.compile
+        and _inductor(options.compile)
+        and not getattr(engine, "sees_inductor", True)
+    ):
+        return Graphing(
+            None,
+            "the CPU graph engine cannot record torch.compile's Inductor kernels (they run below "
+            "the dispatcher, so a replay would skip them); pass compile={'backend': 'aot_eager'} "
+            "to test the compiled, graphed path on the CPU",
+        )
+    if device.type != "cuda":
+        problem = graph_safety_problem(optimizer)
+        if problem is not None:
+            warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
+        if engine is None or problem is not None:
+            return Graphing(None, f"the model is on {device}, not CUDA", warn=False)
+    plan = plan_graph_safety(optimizer, device, fp16=fp16)
+    if isinstance(plan, str):
+        return Graphing(None, plan)
+    return Graphing((engine or CUDA_GRAPHS).build(plan, device))

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .batch import Batch, GraphKey, Role, describe
-from .graphs import CapturedGraph, CaptureFailure
+from .engine import CapturedGraph, CaptureFailure
 from .options import warn_at_user_line
 from .policy import Phase
 from .report import mode_words

@@ -7,28 +7,25 @@ and refuses what CUDA capture refuses, with CUDA's error; a replay runs only tho
 the same tensors. The Python of the body, autograd, hooks and host reads run at capture only, as
 on the GPU. The optimizer takes its CUDA path (``capturable=True``, the LR in a tensor, fused SGD):
 torch gates ``capturable`` on the CPU only by a device list, which making an optimizer graph-safe
-on the CPU extends for the process (:func:`~ddpgraph.step.optim.make_graph_safe`). ``fail(key)`` makes chosen captures fail (on chosen ranks) before recording,
-for tests of the fallback and of every rank's agreement.
+on the CPU extends for the process (:func:`~ddpgraph.step.optim.make_graph_safe`). ``fail(key)``
+makes chosen captures fail (on chosen ranks) before recording, for tests of the fallback and of
+every rank's agreement. Its keys are kept by :class:`~.graph_table.GraphTable`, as the CUDA
+engine's (:mod:`.graphs`, which this module does not import).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from operator import is_
 from typing import Any
 
 import torch
 
 from .batch import Batch, GraphKey
-from .graphs import (
-    CapturedGraph,
-    CaptureFailure,
-    Graphs,
-    Parameters,
-    Replayed,
-    first_capture_error,
-)
-from .optim import lr_of, plan_graph_safety
+from .capture_errors import first_capture_error
+from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
+from .graph_table import GraphTable
+from .optim import GraphSafeOptimizer, lr_of
 from .recording import Program, record
 
 __all__ = ["CpuGraphSet", "CpuGraphs"]
@@ -37,8 +34,7 @@ FailWhen = Callable[[GraphKey], bool]
 
 
 class CpuGraphs:
-    """The engine: :class:`CpuGraphSet` over the optimizer made graph-safe as on CUDA, or why it
-    cannot be.
+    """The engine: :class:`CpuGraphSet` over the optimizer made graph-safe as on CUDA.
 
     ``fail(key)`` makes the capture of that :class:`~ddpgraph.step.batch.GraphKey` fail (e.g.
     ``lambda key: rank == 1`` fails every capture on rank 1).
@@ -51,30 +47,23 @@ class CpuGraphs:
     def __init__(self, fail: FailWhen = lambda key: False) -> None:
         self.fail = fail
 
-    def build(
-        self,
-        parameters: Parameters,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        fp16: bool,
-    ) -> Graphs | str:
-        plan = plan_graph_safety(optimizer, device, fp16=fp16)
-        if isinstance(plan, str):
-            return plan
-        return CpuGraphSet(parameters, plan, self.fail)
+    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> GraphSet:
+        return CpuGraphSet(plan, self.fail)
 
 
-class CpuGraphSet(Graphs):
+class CpuGraphSet(GraphTable):
     """Graphs whose graph is a recorded :class:`~ddpgraph.step.recording.Program`."""
 
     engine = CpuGraphs.name
 
-    def __init__(self, parameters: Parameters, plan: Any, fail: FailWhen) -> None:
-        super().__init__(None, parameters, plan)
+    def __init__(self, plan: GraphSafeOptimizer, fail: FailWhen) -> None:
+        super().__init__(plan, torch.device("cpu"))
         self._fail = fail
         self._programs: dict[GraphKey, Program] = {}
-        self.captured_keys: list[GraphKey] = []  # every capture, in order (tests read it)
+
+    def register_replay_hook(self, hook: ReplayHook) -> None:
+        """Ignored: a replay hook records on a CUDA stream (the watchdog's event), and the CPU
+        engine has none (TrainStep registers one only on CUDA)."""
 
     def capture(
         self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
@@ -90,28 +79,26 @@ class CpuGraphSet(Graphs):
             self.uncapturable.add(key)
             return CaptureFailure(first_capture_error(exc))
         captured = CapturedGraph(None, static.tensors, output)
-        self._graphs[key] = captured
+        self.captured[key] = captured
         self._programs[key] = program
-        self.captured_keys.append(key)
         return captured
 
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        captured = self._graphs.get(key)
+        captured = self.captured.get(key)
         if captured is None:
             return Replayed(None)
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
-            plan.sync_lr()  # as Graphs.replay: the LR the script set since
+            plan.sync_lr()  # as CudaGraphSet.replay: the LR the script set since
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
         self._programs[key].replay()
         return Replayed(captured.output, replayed=True)
 
-    def drop(self, role: Any) -> int:
-        dropped = super().drop(role)
-        self._programs = {k: v for k, v in self._programs.items() if k in self._graphs}
-        return dropped
+    def _forget(self, keys: Sequence[GraphKey]) -> None:
+        for key in keys:
+            del self._programs[key]
 
     def close(self) -> None:
-        self._graphs.clear()
+        self.captured.clear()
         self._programs.clear()

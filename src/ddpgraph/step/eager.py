@@ -13,9 +13,9 @@ import torch
 
 from .batch import Batch, Role
 from .compiling import first_forward_failure
-from .graphs import on_stream
 from .policy import Phase
 from .run_context import RunContext, detached, every_failure
+from .streams import on_stream
 from .syncs import record_host_syncs
 
 __all__ = ["eager"]
@@ -75,6 +75,4 @@ def _first_compiled_step(run: RunContext, batch: Batch, role: Role) -> tuple[tor
         reason = every_failure(run.parallel.failures_of_every_rank(failure), "compile")
         run.warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
         run.body.parallel = run.rewrap()
-        if run.graphs is not None:
-            run.graphs.parameters_changed()
     return run.body.run(batch, role)

@@ -1,102 +1,123 @@
-"""What makes a TrainStep's graphs: the engine passed in (CUDA graphs by default, or the CPU
-stand-in), or the reason the step runs eagerly."""
+"""The graph engine behind a TrainStep: what the step uses of its graph set, and what a capture
+and a replay hand back.
+
+An engine (``TrainStep(..., engine=...)``) builds one :class:`GraphSet` per step over its
+optimizer made graph-safe: :class:`~.graphs.CudaGraphSet` (real CUDA graphs, the default on
+CUDA) or :class:`~.cpu_graphs.CpuGraphSet` (the CPU stand-in, ``ddpgraph.testing.CpuGraphs()``).
+Both keep their graphs by key in a :class:`~.graph_table.GraphTable`; what differs is the
+capture, the replay and the memory behind them. Which engine a step gets, or why it has none,
+is decided once at construction (:func:`~.assembly.build_graphs`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
-from .graphs import Graphs, Parameters, capture_stream
-from .optim import graph_safety_problem, plan_graph_safety
-from .options import StepOptions, warn_at_user_line
-from .parallel import DataParallel
+from .batch import Batch, GraphKey, Role
 
-__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "GraphEngine", "NoCuda", "build_graphs"]
+if TYPE_CHECKING:
+    from .optim import GraphSafeOptimizer
+
+__all__ = ["CaptureFailure", "CapturedGraph", "GraphEngine", "GraphSet", "ReplayHook", "Replayed"]
+
+ReplayHook = Callable[[torch.cuda.Stream], None]
 
 
-class NoCuda(str):
-    """The reason a step on the CPU has no graphs: recorded in the report, not warned about (a
-    CPU run is eager by design), unlike a reason that would hold on CUDA too."""
+@dataclass
+class CapturedGraph:
+    """A graph, the buffers it reads its inputs from, and what it returns (graph-owned)."""
+
+    graph: torch.cuda.CUDAGraph | None  # None: the CPU stand-in's
+    static_inputs: tuple[torch.Tensor, ...]
+    output: Any
+
+
+@dataclass
+class CaptureFailure:
+    """Why a capture failed (the first CUDA error, not the 'previous error' after it)."""
+
+    reason: str
+
+
+class Replayed(NamedTuple):
+    """What :meth:`GraphSet.replay` did: the graph's output (None: no graph of this key). A named
+    tuple: built in C on every replayed call."""
+
+    output: Any
+    replayed: bool = False
+
+
+class GraphSet(Protocol):
+    """The graphs of one TrainStep by key, as its runner uses them.
+
+    ``captured`` and ``uncapturable`` are read on every call (``key in graphs.captured``: no
+    frame); ``plan`` is the optimizer made graph-safe (its LR tensors, which the graphs read).
+    """
+
+    @property
+    def engine(self) -> str:
+        """What ``report().engine`` names ("cuda-graphs", "cpu-recorded")."""
+        ...
+
+    @property
+    def plan(self) -> GraphSafeOptimizer: ...
+
+    @property
+    def captured(self) -> Mapping[GraphKey, CapturedGraph]: ...
+
+    @property
+    def uncapturable(self) -> AbstractSet[GraphKey]:
+        """The keys whose capture failed (not tried again until their role's graphs go)."""
+        ...
+
+    def keys_of(self, role: Role) -> list[GraphKey]:
+        """The keys of ``role`` ("train", "micro", "sync", "update" or "eval"), oldest first."""
+        ...
+
+    def capture(
+        self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
+    ) -> CapturedGraph | CaptureFailure:
+        """Capture ``body`` on a copy of ``batch`` (its static inputs), running nothing, and keep
+        the graph under ``key``; a failure adds ``key`` to :attr:`uncapturable`."""
+        ...
+
+    def replay(self, key: GraphKey, batch: Batch) -> Replayed:
+        """Replay the graph of ``key`` on ``batch`` (the LR the script set since picked up)."""
+        ...
+
+    def drop_training(self) -> int:
+        """Drop every training graph (every role but "eval"); how many went."""
+        ...
+
+    def drop_all(self) -> int:
+        """Drop every graph, evaluation's too; how many went."""
+        ...
+
+    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The first training graph of a batch of tensors, for benchmarks; None if none."""
+        ...
+
+    def register_replay_hook(self, hook: ReplayHook) -> None:
+        """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
+        ...
+
+    def make_optimizer_safe_again(self) -> None:
+        """After a reload: a loaded param group may say capturable=False or foreach SGD."""
+        ...
+
+    def close(self) -> None:
+        """Free every graph and its memory. The caller makes sure no replay is in flight."""
+        ...
 
 
 class GraphEngine(Protocol):
-    """Makes the :class:`Graphs` of one TrainStep, or says why its optimizer cannot be graphed."""
+    """Builds the :class:`GraphSet` of one TrainStep over its optimizer made graph-safe (on
+    ``device``). An engine may say ``sees_inductor = False``: it cannot record torch.compile's
+    Inductor kernels, and a step compiled with Inductor then runs eagerly."""
 
-    def build(
-        self,
-        parameters: Parameters,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        fp16: bool,
-    ) -> Graphs | str: ...
-
-
-class CudaGraphEngine:
-    """Real CUDA graphs on the device's capture stream; the optimizer made graph-safe first."""
-
-    def build(
-        self,
-        parameters: Parameters,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        fp16: bool,
-    ) -> Graphs | str:
-        plan = plan_graph_safety(optimizer, device, fp16=fp16)
-        if isinstance(plan, str):
-            return plan
-        return Graphs(capture_stream(device), parameters, plan)
-
-
-CUDA_GRAPHS = CudaGraphEngine()
-
-
-def _inductor(compile_option: object) -> bool:
-    """Whether TrainStep's ``compile=`` option compiles with Inductor (torch.compile's default)."""
-    backend = compile_option.get("backend") if isinstance(compile_option, Mapping) else None
-    return backend in (None, "inductor")
-
-
-def build_graphs(
-    engine: GraphEngine | None,
-    options: StepOptions,
-    device: torch.device,
-    parallel: DataParallel,
-    parameters: Parameters,
-    optimizer: torch.optim.Optimizer,
-) -> Graphs | str:
-    """The step's graphs, or why it runs eagerly.
-
-    Without CUDA and without an engine the optimizer is left as it is, but one that could not
-    be captured is named in a warning, so a CPU dry run tells what the GPU run would do.
-    """
-    if options.graph == "never":
-        return "graph='never'"
-    fp16 = options.amp == "fp16"
-    # what the wrapper cannot capture (FSDP2: CPU offload, SGD on DTensors), before the
-    # optimizer is made graph-safe
-    problem = parallel.capture_problem(
-        optimizer, fp16=fp16, accumulate_calls=options.accumulate_calls
-    )
-    if problem is not None:
-        return problem
-    if (
-        options.compile
-        and _inductor(options.compile)
-        and not getattr(engine, "sees_inductor", True)
-    ):
-        return (
-            "the CPU graph engine cannot record torch.compile's Inductor kernels (they run below "
-            "the dispatcher, so a replay would skip them); pass compile={'backend': 'aot_eager'} "
-            "to test the compiled, graphed path on the CPU"
-        )
-    if device.type != "cuda":
-        problem = graph_safety_problem(optimizer)
-        if problem is not None:
-            warn_at_user_line(f"on CUDA this TrainStep would run eagerly: {problem}")
-        if engine is None or problem is not None:
-            return NoCuda(f"the model is on {device}, not CUDA")
-    return (engine or CUDA_GRAPHS).build(parameters, optimizer, device, fp16=fp16)
+    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> GraphSet: ...

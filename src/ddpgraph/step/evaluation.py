@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from .batch import Batch, GraphKey, describe
-from .graphs import CaptureFailure, on_stream
+from .engine import CaptureFailure
 from .run_context import RunContext, training_of
+from .streams import on_stream
 
 __all__ = ["EVAL_WARMUP", "evaluate"]
 
@@ -55,9 +56,9 @@ def _evaluate(run: RunContext, batch: Batch) -> tuple[bool, Any]:
         run.parallel.buffers_due = False
         with on_stream(run.stream):
             run.parallel.sync_buffers()
-    if run.graphs is not None and key not in run.graphs and _capture_due(run, key):
+    if run.graphs is not None and key not in run.graphs.captured and _capture_due(run, key):
         _capture(run, key, batch)
-    if run.graphs is not None and key in run.graphs:
+    if run.graphs is not None and key in run.graphs.captured:
         replayed = run.graphs.replay(key, batch)
         if replayed.replayed:
             run.report.eval_replays += 1

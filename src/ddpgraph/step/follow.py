@@ -14,11 +14,12 @@ from torch import nn
 
 from .._log import get_logger
 from ..errors import ConfigError
-from .graphs import Graphs, on_stream
+from .engine import GraphSet
 from .guard import Guard, Seen
 from .options import warn_at_user_line
 from .parallel import DataParallel
 from .report import StepReport
+from .streams import on_stream
 
 __all__ = ["Follower"]
 
@@ -45,7 +46,7 @@ class Follower:
     def __init__(
         self,
         parallel: Callable[[], DataParallel],
-        graphs: Graphs | None,
+        graphs: GraphSet | None,
         report: StepReport,
         device: torch.device,
         stream: torch.cuda.Stream | None,
@@ -101,7 +102,7 @@ class Follower:
             get_logger().info("TrainStep: %s", "; ".join(news))
             return
         if self._graphs is not None:
-            for param in self._graphs.watched():
+            for param in self._parallel().module.parameters():
                 if not param.requires_grad:
                     param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
         dropped = self.drop_training()
@@ -133,8 +134,6 @@ class Follower:
         graphs = self._graphs
         self.guard.forget_optimizer()
         dropped = graphs.drop_all() if graphs is not None else 0
-        if graphs is not None:
-            graphs.parameters_changed()
         then = f"; it drops its {dropped} graph(s) and captures again" if dropped else ""
         warn_at_user_line(
             f"TrainStep follows a model changed outside it ({found.describe()}): its wrapper "

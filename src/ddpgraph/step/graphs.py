@@ -1,11 +1,12 @@
-"""The CUDA graphs of one TrainStep, and everything they read: one owner, ``capture``/``replay``.
+"""The CUDA engine: the CUDA graphs of one TrainStep, and everything they read.
 
-:class:`Graphs` owns the memory pool, each graph's static inputs and outputs, the optimizer's LR
-tensors (through the graph-safe plan), the replay guard and the hooks run after a replay (the
-watchdog registers one). The policy keeps the rest: when to capture, what to do when a capture
-fails, which key a batch has. The engine that makes a TrainStep's Graphs is passed in:
-:data:`ddpgraph.step.engine.CUDA_GRAPHS` on CUDA, or the CPU stand-in (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`)
-that drives the real policy in CI.
+:class:`CudaGraphSet` (built by :data:`CUDA_GRAPHS`, the default engine on CUDA) implements
+:class:`~.engine.GraphSet`: it owns the memory pool, each graph's static inputs and outputs, the
+optimizer's LR tensors (through the graph-safe plan) and the hooks run after a replay (the
+watchdog registers one); its keys are kept by :class:`~.graph_table.GraphTable`, as the CPU
+stand-in's (:class:`ddpgraph.step.cpu_graphs.CpuGraphs`, which drives the real policy in CI).
+The runner keeps the rest: when to capture, what to do when a capture fails, which key a batch
+has. The capture stream each step runs on is :mod:`.streams`'s.
 
 Training and evaluation graphs share the pool (as Megatron does): the step never runs two of them
 at once (they replay on one stream) and every graph's outputs stay allocated while the graph
@@ -14,159 +15,50 @@ lives, so a later capture can only reuse memory that earlier graphs use as scrat
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import traceback
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from torch import nn
 
-from .._frames import PACKAGE_DIR
-from .._globals import Global, process_global
-from .._typed_torch import cuda_stream
-from ..errors import explain_exception
-from .batch import Batch, GraphKey, Role
-from .optim import GraphSafeOptimizer, lr_of, make_graph_safe
+from .batch import Batch, GraphKey
+from .capture_errors import first_capture_error
+from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
+from .graph_table import GraphTable
+from .optim import GraphSafeOptimizer, lr_of
+from .streams import capture_stream
 
-__all__ = [
-    "CaptureFailure",
-    "CapturedGraph",
-    "Graphs",
-    "capture_stream",
-    "first_capture_error",
-    "on_stream",
-]
-
-ReplayHook = Callable[[torch.cuda.Stream], None]
-Parameters = Callable[[], Iterable[nn.Parameter]]
+__all__ = ["CUDA_GRAPHS", "CudaGraphEngine", "CudaGraphSet"]
 
 
-_CAPTURE_STREAMS: Global[dict[int, torch.cuda.Stream]] = process_global(
-    "graphs.capture_streams", dict, reset_at_shutdown=False
-)
+class CudaGraphEngine:
+    """Real CUDA graphs on the device's capture stream (the default engine on CUDA)."""
+
+    def build(self, plan: GraphSafeOptimizer, device: torch.device) -> GraphSet:
+        return CudaGraphSet(capture_stream(device), plan)
 
 
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device, shared by every TrainStep on it.
-
-    cuBLAS keeps a workspace (tens of MiB) per stream for the life of the process: a stream per
-    TrainStep would leave one behind for every TrainStep ever built. Steps on one stream run in
-    the order they are called, as on the default stream.
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _CAPTURE_STREAMS.value
-    if index not in streams:
-        streams[index] = cuda_stream(index)
-    return streams[index]
+CUDA_GRAPHS = CudaGraphEngine()
 
 
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
-    """Run on the capture stream (CUDA), or where the caller is (CPU: ``stream`` is None)."""
-    return contextlib.nullcontext() if stream is None else _side_stream(stream)
-
-
-@contextlib.contextmanager
-def _side_stream(stream: torch.cuda.Stream) -> Iterator[None]:
-    # The side stream waits for the caller's work (e.g. the batch's H2D copy) and the caller's
-    # stream waits for the step, so the user's loop needs no synchronisation of its own.
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-
-@dataclass
-class CapturedGraph:
-    """A graph, the buffers it reads its inputs from, and what it returns (graph-owned)."""
-
-    graph: torch.cuda.CUDAGraph | None  # None: the CPU stand-in's
-    static_inputs: tuple[torch.Tensor, ...]
-    output: Any
-
-
-@dataclass
-class CaptureFailure:
-    """Why a capture failed (the first CUDA error, not the 'previous error' after it)."""
-
-    reason: str
-
-
-class Replayed(NamedTuple):
-    """What :meth:`Graphs.replay` did: the graph's output (None: no graph of this key). A named
-    tuple: built in C on every replayed call."""
-
-    output: Any
-    replayed: bool = False
-
-
-class Graphs:
-    """Every graph of one TrainStep by key, their pool, static buffers, guard and replay hooks.
+class CudaGraphSet(GraphTable):
+    """Every CUDA graph of one TrainStep by key, their pool, static buffers and replay hooks.
 
     ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
     nothing) and keeps the graph; ``replay(key, batch)`` syncs the LR tensors, copies the batch
     into the static inputs, replays and runs the hooks (what a script changed since the last
-    call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph and the pool, so the memory returns to PyTorch's
-    allocator. ``parameters()`` gives the wrapped model's parameters (the trainable ones are
-    the graphs' to guard; a re-capture reads them again).
+    call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph
+    and the pool, so the memory returns to PyTorch's allocator.
     """
 
     engine = "cuda-graphs"  # what report().engine names
 
-    def __init__(
-        self,
-        stream: torch.cuda.Stream | None,
-        parameters: Parameters,
-        plan: GraphSafeOptimizer,
-    ) -> None:
+    def __init__(self, stream: torch.cuda.Stream, plan: GraphSafeOptimizer) -> None:
+        super().__init__(plan, stream.device)
         self._stream = stream
-        self._graphs: dict[GraphKey, CapturedGraph] = {}
-        self.captured = self._graphs  # read-only view for `key in graphs.captured` (no frame)
         self._pool: Any = None
-        self.plan = plan
-        self._parameters = parameters
-        self.params = _trainable(parameters())
-        self.uncapturable: set[GraphKey] = set()
         self._hooks: list[ReplayHook] = []
-
-    # ------------------------------------------------------------------ lookup
-    def __len__(self) -> int:
-        return len(self._graphs)
-
-    def __contains__(self, key: GraphKey) -> bool:
-        return key in self._graphs
-
-    def __iter__(self) -> Iterator[GraphKey]:
-        return iter(self._graphs)
-
-    def keys_of(self, role: Role) -> list[GraphKey]:
-        """The keys of ``role`` ("train", "micro" or "eval"), oldest first."""
-        return [key for key in self._graphs if key.role == role]
-
-    def get(self, key: GraphKey) -> CapturedGraph | None:
-        return self._graphs.get(key)
-
-    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
-        """The first training graph of a batch of tensors (a ``step(data)`` graph gathers at a
-        device cursor only ``step(data)`` keeps in range), for benchmarks; None if none."""
-        for key in self.keys_of("train"):
-            if not key.reads_device_data:
-                return self._graphs[key].graph
-        return None
-
-    def parameters_changed(self) -> None:
-        """The wrapped model was rebuilt (e.g. compile fell back): guard its parameters."""
-        self.params = _trainable(self._parameters())
-
-    def watched(self) -> list[nn.Parameter]:
-        """What the replay guard watches: every parameter, frozen ones too (a graph reads them
-        in the forward, and unfreezing one must re-capture as freezing does)."""
-        return list(self._parameters())
 
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Call ``hook(stream)`` after every replay (the watchdog records an event there)."""
@@ -182,7 +74,6 @@ class Graphs:
         BatchNorm buffers as they were; the caller restores what runs on the host (DDP's reducer).
         The caller replays the graph once to train on ``batch``.
         """
-        assert self._stream is not None
         static = batch.with_tensors([t.clone() for t in batch.tensors])
         self.plan.sync_lr()  # the LR is read from its tensor; a fill_ inside would be frozen
         graph = torch.cuda.CUDAGraph()
@@ -202,21 +93,21 @@ class Graphs:
             self.uncapturable.add(key)
             return CaptureFailure(first_capture_error(exc))
         captured = CapturedGraph(graph, static.tensors, output)
-        self._graphs[key] = captured
+        self.captured[key] = captured
         return captured
 
     # ------------------------------------------------------------------ replay
     def replay(self, key: GraphKey, batch: Batch) -> Replayed:
         """Replay the graph of ``key`` on ``batch``; nothing when there is none (a re-capture
         is due). The output is graph-owned (overwritten by the next replay of this key)."""
-        captured = self._graphs.get(key)
+        captured = self.captured.get(key)
         if captured is None:
             return Replayed(None)
         self._launch(captured, batch)
         return Replayed(captured.output, replayed=True)
 
     def _launch(self, captured: CapturedGraph, batch: Batch) -> None:
-        assert self._stream is not None and captured.graph is not None
+        assert captured.graph is not None
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
             plan.sync_lr()  # a float the script or a scheduler set since (C-level test: no call)
@@ -227,45 +118,19 @@ class Graphs:
         for hook in self._hooks:
             hook(stream)
 
-    def make_optimizer_safe_again(self) -> None:
-        """After a reload: a loaded param group may say capturable=False or foreach SGD."""
-        make_graph_safe(self.plan.optimizer, self._stream_device())
-
-    def _stream_device(self) -> torch.device:
-        # the CPU engine has no stream: its graphs and optimizer live on the CPU
-        return torch.device("cpu") if self._stream is None else self._stream.device
-
     # ----------------------------------------------------------------- dropping
-    def drop(self, role: Role) -> int:
-        """Drop the graphs of ``role`` (e.g. every training graph before a re-capture)."""
-        keys = self.keys_of(role)
-        for key in keys:
-            del self._graphs[key]
-        if not self._graphs:
+    def _forget(self, keys: Sequence[GraphKey]) -> None:
+        if not self.captured:
             # torch frees a private pool when its last graph goes: capture into a new one
             self._pool = None
-        self.uncapturable = {k for k in self.uncapturable if k.role != role}
-        return len(keys)
-
-    def drop_training(self) -> int:
-        """Drop every training graph (every role but "eval"): they read what changed."""
-        return sum(self.drop(role) for role in ("train", "micro", "sync", "update"))
-
-    def drop_all(self) -> int:
-        """Drop every graph, evaluation's too (the model's memory or forward changed)."""
-        return self.drop_training() + self.drop("eval")
 
     def close(self) -> None:
         """Free every graph and the pool. The caller makes sure no replay is in flight."""
-        if self._graphs:
-            torch.cuda.synchronize(self._stream_device())
-        self._graphs.clear()
+        if self.captured:
+            torch.cuda.synchronize(self._stream.device)
+        self.captured.clear()
         self._pool = None
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
-
-
-def _trainable(parameters: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    return [p for p in parameters if p.requires_grad]
 
 
 def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:
@@ -280,42 +145,3 @@ def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:
     with torch.cuda.graph(graph, stream=stream):
         scratch.add_(1)
     del graph
-
-
-def first_capture_error(exc: BaseException) -> str:
-    """The first CUDA error of a failed capture, not the 'previous error' that follows it."""
-    chain: list[BaseException] = []
-    current: BaseException | None = exc
-    while current is not None and current not in chain:
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    first = chain[-1]
-    text = str(first).strip().splitlines()[0] if str(first).strip() else type(first).__name__
-    frames = traceback.extract_tb(first.__traceback__)
-    # the script's or a library's line; where torch's own code raised (FSDP2's hooks), its line
-    where = library_frame(frames) or (
-        f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
-    )
-    at = f" at {where}" if where is not None else ""
-    known = explain_exception(first)
-    explained = f"\nddpgraph explains: {known.render()}" if known is not None else ""
-    return f"capture failed: {type(first).__name__}: {text}{at}{explained}"
-
-
-def library_frame(frames: Sequence[traceback.FrameSummary]) -> str | None:
-    """The innermost frame of a traceback outside torch and ddpgraph: the line that did it (the
-    user's, or a library's such as transformers'), as ``file:line `code```."""
-    for frame in reversed(frames):
-        if not os.path.abspath(frame.filename).startswith(SKIPPED_DIRS):
-            return f"{frame.filename}:{frame.lineno} `{(frame.line or '').strip()}`"
-    return None
-
-
-# torch's and ddpgraph's directories by path (a virtual environment can be named torch), and
-# the warnings module, through which a sync report arrives
-TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-SKIPPED_DIRS = (
-    TORCH_DIR,
-    PACKAGE_DIR,
-    os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "warnings.py",
-)

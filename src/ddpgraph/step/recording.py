@@ -29,7 +29,8 @@ autograd, no module or tensor hooks. What CUDA's capture gives, this gives too:
   CPU kernels call ``nonzero`` below the dispatcher, so a boolean index is seen by its dtype.
   Not seen: what reads a CPU tensor's memory without an operation (``.tolist()``, ``.numpy()``),
   which on CUDA would be a device-to-host copy (refused there), and kernels that run below the
-  dispatcher (Inductor's: the engine refuses a model compiled with it, :mod:`.engine`).
+  dispatcher (Inductor's: the step refuses a model compiled with it,
+  :func:`~.assembly.build_graphs`).
 * **The generator's state.** CUDA capture (torch 2.10+) lets a state read and set back within
   the capture rewind the generator's offset (pytorch#162505): ``torch.utils.checkpoint`` saves
   the state in the forward and restores it for the recompute (``preserve_rng_state=True``).

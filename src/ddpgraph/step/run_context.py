@@ -27,9 +27,9 @@ from ..errors import CaptureError
 from ..facts import DEFAULT_WARMUP
 from .batch import Batch, GraphKey, Signature, describe
 from .body import StepBody
+from .engine import CapturedGraph, CaptureFailure, GraphSet
 from .events import changes as _changes
 from .follow import Follower
-from .graphs import CapturedGraph, CaptureFailure, Graphs
 from .guard import Seen
 from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
@@ -53,7 +53,7 @@ class RunContext:
         self,
         options: StepOptions,
         body: StepBody,
-        graphs: Graphs | None,
+        graphs: GraphSet | None,
         *,
         device: torch.device,
         stream: torch.cuda.Stream | None,
@@ -119,7 +119,7 @@ class RunContext:
     def to_device(self, batch: Batch) -> Batch:
         return batch.to(self.device, channels_last=self.options.channels_last)
 
-    def graphs_or_fail(self) -> Graphs:
+    def graphs_or_fail(self) -> GraphSet:
         assert self.graphs is not None  # only the graphed phases get here
         return self.graphs
 
@@ -160,7 +160,10 @@ class RunContext:
         graphs = self.graphs_or_fail()
         result = graphs.capture(key, batch, body)
         if isinstance(result, CapturedGraph):
-            self.follower.guard.watch_optimizer(graphs.watched(), graphs.plan.optimizer)
+            # every parameter, frozen ones too: a graph reads them in the forward, and
+            # unfreezing one must re-capture as freezing does
+            parameters = list(self.parallel.module.parameters())
+            self.follower.guard.watch_optimizer(parameters, graphs.plan.optimizer)
         return result
 
     def record_capture(self, key: GraphKey, started: float) -> None:

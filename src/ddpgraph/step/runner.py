@@ -34,9 +34,9 @@ from .batch import Batch, GraphKey, Role, describe, differences
 from .capturing import capture_and_replay, first_capture
 from .eager import eager
 from .events import changes as _changes
-from .graphs import on_stream
 from .policy import Action, Call, Phase, decide
 from .run_context import RunContext, training_of
+from .streams import on_stream
 
 __all__ = ["Runner"]
 
@@ -176,8 +176,6 @@ class Runner(RunContext):
             if not param.requires_grad:
                 param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
         self.follower.drop_training()
-        if self.graphs is not None:
-            self.graphs.parameters_changed()
         get_logger().info("TrainStep rebuilt its data-parallel wrapper over the trainable set")
 
     def check_open(self, what: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .._frames import line_outside
-from .graphs import SKIPPED_DIRS
+from .capture_errors import SKIPPED_DIRS
 
 __all__ = ["SyncReport", "record_host_syncs"]
 

@@ -13,9 +13,10 @@ import time
 import torch
 
 from .batch import NO_BATCH, GraphKey
-from .graphs import CaptureFailure, on_stream
+from .engine import CaptureFailure
 from .policy import Phase
 from .run_context import RunContext
+from .streams import on_stream
 
 __all__ = ["update"]
 
@@ -42,7 +43,7 @@ def _update_graphed(run: RunContext, key: GraphKey) -> bool:
     """Replay the update graph, capturing it first once the window's "sync" graph exists
     (the update reads the gradients that graph writes); False: run it eagerly."""
     graphs = run.graphs_or_fail()
-    due = key not in graphs and key not in graphs.uncapturable and graphs.keys_of("sync")
+    due = key not in graphs.captured and key not in graphs.uncapturable and graphs.keys_of("sync")
     if due and run.state.hold_off == 0:
         started = time.perf_counter()
         result = run.capture_graph(key, NO_BATCH, lambda _: _updated(run))

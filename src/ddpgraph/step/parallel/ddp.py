@@ -29,7 +29,7 @@ from ..._typed_torch import (
 )
 from ...errors import CaptureError, ConfigError
 from ...facts import DDP_STATS_SAMPLE_RATE
-from ..graphs import on_stream
+from ..streams import on_stream
 from .base import DataParallel, agree_over
 
 __all__ = ["DDP", "check_not_ddp", "inner_of"]

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ...errors import CaptureError, ConfigError
-from ..graphs import on_stream
 from ..live_graphs import find_earlier_graph, fresh_accumulators
+from ..streams import on_stream
 from .base import DataParallel, agree_over
 
 __all__ = [
