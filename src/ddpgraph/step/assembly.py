@@ -28,7 +28,7 @@ from .precision import Precision, precision_for
 from .report import StepReport
 from .runner import Runner
 from .streams import capture_stream
-from .window import WindowEnds
+from .window import Window, WindowEnds
 
 __all__ = ["Graphing", "Parts", "assemble", "build_graphs"]
 
@@ -65,24 +65,25 @@ def assemble(
     parallel = options.parallel
     precision = precision_for(options.amp, device, options.grad_scaler)
     wrapped = _compiled(model, options.compile) if options.compile else model
-    body = StepBody(
-        wrap(wrapped, device, stream, kwargs, parallel), optimizer, loss_fn, precision, options
-    )
+    wrapper = wrap(wrapped, device, stream, kwargs, parallel)
+    wrapper.take_optimizer(optimizer)  # FSDP2's sharding replaced the parameters
     finite = FiniteCheck(device) if options.check_finite else None
-    body.finite = finite
     report = StepReport(mode="eager", steps_per_replay=options.steps_per_replay)
-    graphing = build_graphs(engine, options, device, body.parallel, optimizer)
+    graphing = build_graphs(engine, options, device, wrapper, optimizer)
     graphs = graphing.graphs
+    lr_tensors = graphs.plan.lr_tensors if graphs is not None else []
+    feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
+    window = Window(options, window_ends)
+    body = StepBody(
+        wrapper, optimizer, loss_fn, precision, options, window=window, feed=feed, finite=finite
+    )
     runner = Runner(
         options, body, graphs,
         device=device, stream=stream, submodules=list(model.modules()),
         rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=report,
-        window_ends=window_ends,
+        window=window,
     )  # fmt: skip
-    on_epoch_end(runner.window.warn_at_epoch_end)
-    lr_tensors = graphs.plan.lr_tensors if graphs is not None else []
-    feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
-    body.feed = feed
+    on_epoch_end(window.warn_at_epoch_end)
     if graphs is not None:
         report.optimizer_changes = list(graphs.plan.described)
         report.engine = graphs.engine

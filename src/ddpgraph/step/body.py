@@ -9,7 +9,7 @@ no flag of theirs.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -20,10 +20,21 @@ from .finite import FiniteCheck
 from .options import StepOptions
 from .parallel import DataParallel
 from .precision import Precision
+from .window import Window
 
-__all__ = ["LossFn", "StepBody", "model_loss"]
+__all__ = ["LossFn", "StepBody", "StepOut", "model_loss"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class StepOut(NamedTuple):
+    """What one run of the body gives (a graph's outputs, once captured): the loss, the
+    model's output and the update's gradient norm (None where the call did not update, or
+    nothing measured it)."""
+
+    loss: torch.Tensor
+    output: Any
+    grad_norm: torch.Tensor | None
 
 
 class StepBody:
@@ -33,8 +44,11 @@ class StepBody:
     call run forward and backward without the gradient sync and the "train" call sync, clip,
     step and zero the gradients for the next window. With ``defer_update`` the window's last
     call is a "sync" (forward, backward, gradient sync) and :meth:`update` runs on its own.
-    With ``sync_every_call`` a "micro" call syncs its gradients too (and starts with rank 0's
-    buffers), as a script's DDP does when it accumulates without ``no_sync``.
+    Which calls sync their gradients, and what an ``accumulate_calls`` micro-batch divides its
+    loss by, are the :class:`~.window.Window`'s (``sync_every_call``: a "micro" call syncs too,
+    and starts with rank 0's buffers, as a script's DDP does when it accumulates without
+    ``no_sync``). Everything it reads is given at construction; a run returns a
+    :class:`StepOut`.
     """
 
     def __init__(
@@ -44,32 +58,32 @@ class StepBody:
         loss_fn: LossFn | None,
         precision: Precision,
         options: StepOptions,
+        *,
+        window: Window,
+        feed: DataFeed | None = None,
+        finite: FiniteCheck | None = None,
     ) -> None:
-        self.parallel = parallel
-        parallel.take_optimizer(optimizer)  # FSDP2's sharding replaced the parameters
+        self.parallel = parallel  # its optimizer taken (FSDP2's sharding replaced the params)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.precision = precision
+        self.window = window  # which calls sync; a micro-batch's loss divisor (its length)
         self.accumulate = options.accumulate
         self.accumulate_calls = options.accumulate_calls
-        self.sync_every_call = options.sync_every_call
-        # the current accumulate_calls window's loss divisor (set by the policy at each call:
-        # accumulate_calls, or the script's window=n for a short window)
-        self.divisor = options.accumulate_calls
         self.clip_grad_norm = options.clip_grad_norm
         self.measure_grad_norm = options.grad_norm
-        self.grad_norm: torch.Tensor | None = None  # of the latest update (None: not measured)
         self.channels_last = options.channels_last
         # False while graphs are possible: a graph reads and writes the same .grad tensors on
         # every replay; True once the step is eager for good (as a plain loop's zero_grad)
         self.set_to_none = False
-        self.feed: DataFeed | None = None  # step(data): each step's LR
+        self.feed = feed  # step(data): each step's LR
         self._zeroed = False  # accumulate_calls: gradients zeroed before the first window
-        self.finite: FiniteCheck | None = None  # check_finite: set by the TrainStep
+        self.finite = finite  # check_finite
 
-    def run(self, batch: Batch, role: Role = "train") -> tuple[torch.Tensor, Any]:
+    def run(self, batch: Batch, role: Role = "train") -> StepOut:
         """The loss (the mean over ``accumulate``'s micro-batches; with ``accumulate_calls``
-        this call's micro-batch loss, as scripts log it) and the (last micro-batch's) output.
+        this call's micro-batch loss, as scripts log it), the (last micro-batch's) output and,
+        for a "train" call, the update's grad norm.
 
         Runs eagerly or under capture; it must not touch the LR (a fill_ captured here would
         reset the LR on every replay), so callers sync the LR tensors first.
@@ -83,46 +97,42 @@ class StepBody:
         total: torch.Tensor | None = None
         output: Any = None
         micros = batch.split(self.accumulate)
+        window = self.window
+        syncs, divisor = window.syncs(role), self.accumulate * window.length
         for i, micro in enumerate(micros):
-            sync = self.syncs(role) and i == len(micros) - 1
+            sync = syncs and i == len(micros) - 1
             # DDP's semantics: rank 0's buffers at the start of a window's first forward only
             # (later ones run under no_sync, which keeps each rank's own); a window of
-            # accumulate_calls starts with the policy's sync_buffers, outside any graph; with
+            # accumulate_calls starts with the runner's sync_buffers, outside any graph; with
             # sync_every_call no forward runs under no_sync, so each call starts with them
-            first = i == 0 and (calls == 1 or self.sync_every_call)
+            first = i == 0 and (calls == 1 or window.sync_every_call)
             with self.parallel.forward_context(sync_grads=sync, sync_buffers=first):
                 with self.precision.autocast():
                     loss, output = self._loss(micro)
                 _check_scalar_loss(loss)
                 seeded = loss if self.finite is None else self.finite.seed(loss)
-                self.precision.backward(seeded / (self.accumulate * self.divisor))
+                self.precision.backward(seeded / divisor)
             part = loss.detach().float() / self.accumulate
             total = part if total is None else total + part
         assert total is not None
-        self.grad_norm = None
-        if role == "train":
-            self.update()
-        return total, output
+        return StepOut(total, output, self.update() if role == "train" else None)
 
-    def syncs(self, role: Role) -> bool:
-        """Whether a call of ``role`` syncs its gradients (DDP's forward then counts an
-        iteration, and the next forward starts with rank 0's buffers)."""
-        return role in ("train", "sync") or self.sync_every_call
-
-    def update(self) -> None:
+    def update(self) -> torch.Tensor | None:
         """The update on the gradients a window accumulated: clip or measure, the optimizer
         step (fp16: unscaled, skipped on inf/NaN), and zero gradients for the next window. Part
-        of the "train" run, or on its own (role "update": the script's ``step.update()``)."""
-        self.grad_norm = self.precision.update(self.optimizer, self._norm_step())
+        of the "train" run, or on its own (role "update": the script's ``step.update()``); the
+        grad norm it measured (None: none)."""
+        grad_norm = self.precision.update(self.optimizer, self._norm_step())
         if self.finite is not None:  # before zero_grad: it reads the window's gradients
-            norm = self.grad_norm
+            norm = grad_norm
             if norm is None and self.parallel.shards_gradients:
                 norm = self.parallel.grad_norm()  # all-reduced: a shard's NaN seen by every rank
             self.finite.record(_grads(self.optimizer), norm)
         if self.accumulate_calls > 1:
             self.optimizer.zero_grad(set_to_none=self.set_to_none)  # for the next window
+        return grad_norm
 
-    def _steps_from(self, batch: Batch) -> tuple[torch.Tensor, Any]:
+    def _steps_from(self, batch: Batch) -> StepOut:
         """``batch.steps`` whole training steps, each on the next batch gathered from the
         DeviceData on the device with its own LR; their losses as one tensor, and the last
         step's output. The LR is copied from the device table a replay re-reads."""
@@ -137,12 +147,11 @@ class StepBody:
             gathered = gathered_batch(data, tensors).to(
                 data.device, channels_last=self.channels_last
             )
-            loss, output = self.run(gathered)
+            loss, output, grad_norm = self.run(gathered)
             losses.append(loss)
-            if self.grad_norm is not None:
-                norms.append(self.grad_norm)
-        self.grad_norm = torch.stack(norms) if norms else None
-        return torch.stack(losses), output
+            if grad_norm is not None:
+                norms.append(grad_norm)
+        return StepOut(torch.stack(losses), output, torch.stack(norms) if norms else None)
 
     def _norm_step(self) -> Callable[[], torch.Tensor] | None:
         """What runs before the update on unscaled gradients: the clipping (its result is the

@@ -10,11 +10,11 @@ only on a call that does not replay.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from .batch import Batch, GraphKey, Role, describe
+from .body import StepOut
 from .engine import CapturedGraph, CaptureFailure
 from .options import warn_at_user_line
 from .policy import Phase
@@ -100,16 +100,14 @@ def _capture(run: RunContext, key: GraphKey, batch: Batch) -> CapturedGraph | Ca
         warn_at_user_line(f"TrainStep: {found}")
     device_batch = run.to_device(batch)
     result = run.capture_graph(key, device_batch, lambda b: _captured(run, b, key.role))
-    if run.body.syncs(key.role):
+    if run.window.syncs(key.role):
         run.parallel.count_forwards(run.call_steps)  # its host code ran once per step
     return result
 
 
-def _captured(
-    run: RunContext, batch: Batch, role: Role
-) -> tuple[torch.Tensor, Any, torch.Tensor | None]:
-    loss, output = run.body.run(batch, role)
-    return loss, detached(output), run.body.grad_norm
+def _captured(run: RunContext, batch: Batch, role: Role) -> StepOut:
+    loss, output, grad_norm = run.body.run(batch, role)
+    return StepOut(loss, detached(output), grad_norm)
 
 
 def _explain_failure(run: RunContext, reason: str) -> str:

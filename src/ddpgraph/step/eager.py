@@ -7,11 +7,10 @@ Module-level functions over the step's :class:`~.run_context.RunContext`.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from .batch import Batch, Role
+from .body import StepOut
 from .compiling import first_forward_failure
 from .policy import Phase
 from .run_context import RunContext, detached, every_failure
@@ -40,24 +39,24 @@ def eager(run: RunContext, batch: Batch) -> torch.Tensor:
         if run.graphs is not None:
             run.graphs.plan.sync_lr()
         if run.compile_pending:
-            loss, output = _first_compiled_step(run, batch, role)
+            out = _first_compiled_step(run, batch, role)
         elif check_syncs:
             syncs = record_host_syncs(lambda: run.body.run(batch, role))
-            loss, output = syncs.result
+            out = syncs.result
             if syncs.found:
                 run.sync_hint = syncs.describe()
         else:
-            loss, output = run.body.run(batch, role)
-    if run.body.syncs(role):
+            out = run.body.run(batch, role)
+    if run.window.syncs(role):
         run.parallel.count_forwards(n)
     if run.state.hold_off:
         run.set(hold_off=max(0, run.state.hold_off - n))
-    run.output = detached(output)
-    run.grad_norm = run.body.grad_norm
-    return loss
+    run.output = detached(out.output)
+    run.grad_norm = out.grad_norm
+    return out.loss
 
 
-def _first_compiled_step(run: RunContext, batch: Batch, role: Role) -> tuple[torch.Tensor, Any]:
+def _first_compiled_step(run: RunContext, batch: Batch, role: Role) -> StepOut:
     """Compile first, outside the wrapper, then agree: every rank runs compiled, or every
     rank plain.
 

@@ -35,7 +35,7 @@ from .options import StepOptions, warn_at_user_line
 from .parallel import DataParallel
 from .policy import Phase, Plan, PolicyState
 from .report import CaptureRecord, StepReport, mode_words
-from .window import Window, WindowEnds
+from .window import Window
 
 __all__ = ["RunContext", "detached", "every_failure", "naming_the_failure"]
 
@@ -60,7 +60,7 @@ class RunContext:
         submodules: list[nn.Module],
         rewrap: Callable[[], DataParallel],
         report: StepReport,
-        window_ends: WindowEnds | None = None,
+        window: Window,
     ) -> None:
         self.options = options
         self.body = body
@@ -77,7 +77,7 @@ class RunContext:
         self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
         self.call_steps = 1  # training steps in the current call (step(data): up to K)
         # accumulate_calls: where this call is in its window (and what a framework's loop says)
-        self.window = Window(options, window_ends)
+        self.window = window
         self.compile_pending = bool(options.compile)  # compiled, not yet past its first forward
         self.start = time.perf_counter()
         self.reference: Signature | None = None  # the signature on_new_shape compares against

@@ -80,10 +80,9 @@ class Runner(RunContext):
                 starts = win.begin(batch, last, parallel.script_sync(), window)
                 role = win.role()
             body = self.body
-            body.divisor = win.length
             if self.state.phase is not Phase.GRAPHED or follower.trainable_changed:
                 self._follow_trainable()
-            if starts and not body.sync_every_call:
+            if starts and not win.sync_every_call:
                 # a window starts as DDP's forward does: rank 0's buffers first; outside the
                 # graphs, so that one "micro" graph serves every other position of the window
                 # (with sync_every_call every call's graph starts with them)
@@ -98,7 +97,7 @@ class Runner(RunContext):
             ):  # every submodule's mode keys the graphs (C-level: no frame each)
                 self.seen_modes = modes = tuple(map(training_of, submodules))
                 self.modes_at = _changes[0]
-            key = GraphKey(role, modes, batch.signature, body.divisor)
+            key = GraphKey(role, modes, batch.signature, win.length)
             graphs = self.graphs
             action = decide(
                 self.plan,
@@ -123,7 +122,7 @@ class Runner(RunContext):
             if not (win.plain and window is None):
                 win.end(role)
             # as DDP's post-forward sets require_forward_param_sync (an attribute: no call)
-            body.parallel.buffers_due = role in ("train", "sync") or body.sync_every_call
+            body.parallel.buffers_due = role in ("train", "sync") or win.sync_every_call
             if action is not Action.REPLAY or seen is not None:
                 self.settle()
         except BaseException as exc:

@@ -34,8 +34,7 @@ def update(run: RunContext) -> None:
     with on_stream(run.stream):
         if run.graphs is not None:
             run.graphs.plan.sync_lr()  # the LR the script just set
-        run.body.update()
-    run.grad_norm = run.body.grad_norm
+        run.grad_norm = run.body.update()
     run.settle()
 
 
@@ -59,5 +58,4 @@ def _update_graphed(run: RunContext, key: GraphKey) -> bool:
 
 
 def _updated(run: RunContext) -> torch.Tensor | None:
-    run.body.update()
-    return run.body.grad_norm
+    return run.body.update()

@@ -38,6 +38,9 @@ class Window:
     def __init__(self, options: StepOptions, ends: WindowEnds | None = None) -> None:
         self.calls = options.accumulate_calls
         self.ends = ends  # the framework's loop state, if it has a say
+        # every micro-batch syncs its gradients (and starts with rank 0's buffers), as a
+        # script's DDP does when it accumulates without no_sync()
+        self.sync_every_call = options.sync_every_call
         self.defer_update = options.defer_update
         # accumulate_calls=1 without defer_update: every call is a whole window ("train"), so a
         # call without window= consults nothing here but the script's sync control
@@ -98,6 +101,11 @@ class Window:
                 "gradient_accumulation_steps says."
             )
         return last or syncs
+
+    def syncs(self, role: Role) -> bool:
+        """Whether a call of ``role`` syncs its gradients (DDP's forward then counts an
+        iteration, and the next forward starts with rank 0's buffers)."""
+        return role in ("train", "sync") or self.sync_every_call
 
     def role(self) -> Role:
         """ "micro" for a call that only accumulates, "train" for one that steps the optimizer
