@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,17 @@ def test_the_engines_meet_only_in_the_protocol_and_the_shared_key_table():
     assert {"engine", "graph_table"} <= _step_imports("cpu_graphs")
     assert {"engine", "graph_table"} <= _step_imports("graphs")
     assert _step_imports("engine") == {"batch"}, _step_imports("engine")
+
+
+def test_the_host_time_probe_runs_on_this_tree(tmp_path):
+    """``benchmarks/probes/cpu_host_time.py`` reaches into the CPU engine to make its recorded
+    program a no-op: a rename there must fail here, not in the next session that measures (it
+    once read an attribute stage 4 renamed). A few calls only; the figures are not judged."""
+    from .procs import run_python
+
+    out = tmp_path / "host.json"
+    probe = str(PROBE.with_name("cpu_host_time.py"))
+    done = run_python([probe, "2", "--out", str(out)], timeout=400, env={"N": "5", "REPS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["layers"] == 2 and row["added_us"] > 0 and row["bare_us"] > 0, row

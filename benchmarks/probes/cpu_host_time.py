@@ -75,7 +75,7 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
     engine = _engine(step)
     (key,) = [k for k in engine._programs if k.role == "train"]
     program = engine._programs[key]
-    static = engine._graphs[key].static_inputs
+    static = engine.captured[key].static_inputs
     inner = program.replay
     rows: dict[str, list[float]] = {"added": [], "added_cpu": [], "bare": [], "clone": []}
     loss = step(x, y)
