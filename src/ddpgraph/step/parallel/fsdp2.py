@@ -32,7 +32,8 @@ from torch import nn
 from ...errors import CaptureError, ConfigError
 from ..live_graphs import find_earlier_graph, fresh_accumulators
 from ..streams import on_stream
-from .base import DataParallel, agree_over
+from .base import DataParallel
+from .dtensor import full_tensor, mesh_group
 
 __all__ = [
     "FSDP2",
@@ -78,7 +79,6 @@ class FSDP2(DataParallel):
     def __init__(
         self,
         module: nn.Module,
-        device: torch.device,
         stream: torch.cuda.Stream | None,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
@@ -87,9 +87,8 @@ class FSDP2(DataParallel):
         self.module = module
         self.inner = module
         self.root = root  # what FSDP2's own methods (gradient sync, reshard, reset) are called on
-        self.device = device
         self._stream = stream
-        self.group = _group_of(root)
+        self.group = mesh_group(root)
         # a no-grad (evaluation) forward leaves the root's parameters gathered: reshard them
         self._hook = root.register_forward_hook(_reshard_after_no_grad_forward)
         # each sharded module with its parameter groups, walked once: read on every call
@@ -182,10 +181,10 @@ class FSDP2(DataParallel):
         """Clip the DTensor gradients as ``torch.nn.utils.clip_grad_norm_`` does in a plain FSDP2
         loop; the total norm as a plain device tensor (the partial norms are all-reduced on the
         device by DTensor; ``full_tensor()`` of the replicated result moves nothing)."""
-        return _full(super().clip_grad_norm_(max_norm))
+        return full_tensor(super().clip_grad_norm_(max_norm))
 
     def grad_norm(self) -> torch.Tensor:
-        return _full(super().grad_norm())
+        return full_tensor(super().grad_norm())
 
     # ----------------------------------------------------------------- capture preconditions
     def count_allows_capture(self, forwards: int) -> bool:
@@ -205,9 +204,6 @@ class FSDP2(DataParallel):
                 "between its steps."
             )
         return True
-
-    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
-        return agree_over(self.group, self.device, ok, dirty)
 
     def capture_problem(
         self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
@@ -296,9 +292,6 @@ class FSDP2(DataParallel):
     def explain_capture_failure(self, reason: str) -> str | None:
         """What :meth:`before_capture` found and could not mend, if anything."""
         return self._capture_hint
-
-    def peer_group(self) -> Any:
-        return self.group
 
     def check_reset_alone(self) -> None:
         if dist.get_world_size(self.group) > 1:
@@ -477,22 +470,6 @@ def _offloading(root: nn.Module) -> str | None:
             if isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
                 return name or "the root"
     return None
-
-
-def _group_of(root: nn.Module) -> Any:
-    """The process group the mesh spans: every rank that runs the step (agreement)."""
-    from torch.distributed.tensor import DTensor
-
-    for param in root.parameters():
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
-    return dist.group.WORLD
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    full = getattr(norm, "full_tensor", None)
-    return full() if full is not None else norm
 
 
 def _reshard_after_no_grad_forward(module: nn.Module, args: Any, output: Any) -> None:
