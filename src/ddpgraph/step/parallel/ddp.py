@@ -87,7 +87,7 @@ class DDP(DataParallel):
         self.ddp.register_forward_pre_hook(self._script_forward_starts)
         self.ddp.register_forward_hook(self._script_forward_ended)
 
-    # ----------------------------------------------------------------- forward and backward
+    # ----------------------------------------------------- GradSync: forward, backward and buffers
     @contextlib.contextmanager
     def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
@@ -120,6 +120,32 @@ class DDP(DataParallel):
         if self._broadcasts:
             ddp_sync_buffers(self.ddp)
 
+    # ---------------------------------------------- CaptureGate: the script's sync and the warm-up
+    def script_sync(self) -> bool | None:
+        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it); once a script
+        has used it, every call outside it is True, a window's end (timm's ``if not need_update:
+        with model.no_sync(): ...`` else a plain call: a short last window of one micro-batch
+        follows a full one), as FSDP2's."""
+        if not self.ddp.require_backward_grad_sync:
+            self._script_off = True
+            return False
+        if self._script_off:
+            return True
+        flag = self.inner.__dict__.get("require_backward_grad_sync")  # as the base's, inline
+        return None if flag is None else bool(flag)
+
+    def count_forwards(self, n: int) -> None:
+        self._forwards += n
+
+    def allows_capture(self, steps: int) -> bool:
+        first = self._forwards
+        return all(self.count_allows_capture(n) for n in range(first, first + steps))
+
+    def count_allows_capture(self, forwards: int) -> bool:
+        """The warm-up rule (ddpgraph.facts) at this DDP's sample rate."""
+        return ddp_count_allows_capture(forwards, self._sample_rate)
+
+    # ------------------------------------------ Recovery: between calls and after a failed capture
     def follow_trainable(self) -> bool:
         """DDP reduces the parameters that required gradients when it was built; after a freeze
         it would wait for gradients that never come (``find_unused_parameters=True`` searches for
@@ -146,32 +172,6 @@ class DDP(DataParallel):
         self._build()
         del old
 
-    def script_sync(self) -> bool | None:
-        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it); once a script
-        has used it, every call outside it is True, a window's end (timm's ``if not need_update:
-        with model.no_sync(): ...`` else a plain call: a short last window of one micro-batch
-        follows a full one), as FSDP2's."""
-        if not self.ddp.require_backward_grad_sync:
-            self._script_off = True
-            return False
-        if self._script_off:
-            return True
-        flag = self.inner.__dict__.get("require_backward_grad_sync")  # as the base's, inline
-        return None if flag is None else bool(flag)
-
-    # ----------------------------------------------------------------- capture preconditions
-    def count_forwards(self, n: int) -> None:
-        self._forwards += n
-
-    def allows_capture(self, steps: int) -> bool:
-        first = self._forwards
-        return all(self.count_allows_capture(n) for n in range(first, first + steps))
-
-    def count_allows_capture(self, forwards: int) -> bool:
-        """The warm-up rule (ddpgraph.facts) at this DDP's sample rate."""
-        return ddp_count_allows_capture(forwards, self._sample_rate)
-
-    # ----------------------------------------------------------------- failed captures
     def explain_capture_failure(self, reason: str) -> str | None:
         """With ``find_unused_parameters=True`` a step in which some parameter gets no gradient
         makes DDP's reducer copy its pageable CPU bitmap of used parameters to the device (the
