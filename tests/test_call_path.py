@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -121,3 +122,41 @@ def test_the_host_time_probe_runs_on_this_tree(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(out.read_text())
     assert row["layers"] == 2 and row["added_us"] > 0 and row["bare_us"] > 0, row
+
+
+def _members(cls: type) -> set[str]:
+    """The public names a class body states: its annotated attributes and its functions."""
+    own = set(inspect.get_annotations(cls)) | {
+        name for name, value in vars(cls).items() if callable(value)
+    }
+    return {name for name in own if not name.startswith("_")}
+
+
+def test_every_wrapper_member_belongs_to_a_protocol_and_the_step_holds_only_protocols():
+    """Issue 51 stage 5: what the step uses of a data-parallel wrapper is stated by three
+    protocols (``GradSync``, ``CaptureGate``, ``Recovery``), the base implements exactly their
+    members, and outside ``parallel/`` only the run context (which hands the one wrapper out as
+    each protocol) names the class itself."""
+    from ddpgraph.step.parallel import CaptureGate, DataParallel, GradSync, Recovery
+    from ddpgraph.step.parallel.ddp import DDP
+    from ddpgraph.step.parallel.fsdp2 import FSDP2
+    from ddpgraph.step.parallel.local import Local
+
+    stated = _members(GradSync) | _members(CaptureGate) | _members(Recovery)
+    assert _members(DataParallel) == stated, _members(DataParallel) ^ stated
+    for wrapper in (DDP, FSDP2, Local):
+        extra = {n for n in _members(wrapper) if n not in stated}
+        assert extra <= {"ddp", "root"}, f"{wrapper.__name__}: {extra}"  # their own handles
+    package = Path(ddpgraph.step.__file__).parent
+    naming = sorted(
+        path.stem
+        for path in package.glob("*.py")
+        if "DataParallel"
+        in {
+            a.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom)
+            for a in node.names
+        }
+    )
+    assert naming == ["run_context"], naming

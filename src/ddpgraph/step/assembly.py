@@ -23,7 +23,7 @@ from .finite import FiniteCheck
 from .graphs import CUDA_GRAPHS
 from .optim import graph_safety_problem, plan_graph_safety
 from .options import StepOptions, warn_at_user_line
-from .parallel import DataParallel, wrap
+from .parallel import CaptureGate, wrap
 from .precision import Precision, precision_for
 from .report import StepReport
 from .runner import Runner
@@ -79,7 +79,7 @@ def assemble(
     )
     runner = Runner(
         options, body, graphs,
-        device=device, stream=stream, submodules=list(model.modules()),
+        device=device, stream=stream, submodules=list(model.modules()), parallel=wrapper,
         rewrap=lambda: wrap(model, device, stream, kwargs, parallel), report=report,
         window=window,
     )  # fmt: skip
@@ -123,7 +123,7 @@ def build_graphs(
     engine: GraphEngine | None,
     options: StepOptions,
     device: torch.device,
-    parallel: DataParallel,
+    gate: CaptureGate,
     optimizer: torch.optim.Optimizer,
 ) -> Graphing:
     """The step's graph set (``engine``'s, CUDA graphs by default), or why it runs eagerly.
@@ -136,9 +136,7 @@ def build_graphs(
     fp16 = options.amp == "fp16"
     # what the wrapper cannot capture (FSDP2: CPU offload, SGD on DTensors), before the
     # optimizer is made graph-safe
-    problem = parallel.capture_problem(
-        optimizer, fp16=fp16, accumulate_calls=options.accumulate_calls
-    )
+    problem = gate.capture_problem(optimizer, fp16=fp16, accumulate_calls=options.accumulate_calls)
     if problem is not None:
         return Graphing(None, problem)
     if (

@@ -18,7 +18,7 @@ from .batch import Batch, Role, gathered_batch
 from .feed import DataFeed
 from .finite import FiniteCheck
 from .options import StepOptions
-from .parallel import DataParallel
+from .parallel import GradSync
 from .precision import Precision
 from .window import Window
 
@@ -53,7 +53,7 @@ class StepBody:
 
     def __init__(
         self,
-        parallel: DataParallel,
+        parallel: GradSync,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn | None,
         precision: Precision,

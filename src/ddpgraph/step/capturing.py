@@ -17,6 +17,7 @@ from .batch import Batch, GraphKey, Role, describe
 from .body import StepOut
 from .engine import CapturedGraph, CaptureFailure
 from .options import warn_at_user_line
+from .parallel import agree_over, failures_of_every_rank
 from .policy import Phase
 from .report import mode_words
 from .run_context import RunContext, detached, every_failure, naming_the_failure
@@ -35,13 +36,14 @@ def first_capture(run: RunContext, key: GraphKey, batch: Batch) -> torch.Tensor 
     """
     started = time.perf_counter()
     result = _capture(run, key, batch)
-    ok, any_dirty = run.parallel.agree(isinstance(result, CapturedGraph), run.parallel.dirty())
+    captured, dirty = isinstance(result, CapturedGraph), run.recovery.dirty()
+    ok, any_dirty = agree_over(run.gate.group, run.device, captured, dirty)
     if ok:
         if any_dirty:
             _reset_wrapper(run, "")
     else:
         mine = _explain_failure(run, result.reason) if isinstance(result, CaptureFailure) else None
-        reason = every_failure(run.parallel.failures_of_every_rank(mine))
+        reason = every_failure(failures_of_every_rank(run.gate.group, mine))
         if any_dirty:
             _reset_wrapper(run, reason)  # on every rank: DDP's bucket rebuild is collective
         run.follower.drop_training()
@@ -66,9 +68,9 @@ def capture_and_replay(run: RunContext, key: GraphKey, batch: Batch) -> torch.Te
     result = _capture(run, key, batch)
     if isinstance(result, CaptureFailure):
         reason = _explain_failure(run, result.reason)
-        if run.parallel.dirty():
+        if run.recovery.dirty():
             with naming_the_failure(reason):
-                run.parallel.check_reset_alone()  # no agreement: peers may be replaying
+                run.recovery.check_reset_alone()  # no agreement: peers may be replaying
             _reset_wrapper(run, reason)
         run.warn_or_raise(
             f"the batch of {describe(batch.signature)}{mode_words(key.modes)} runs eagerly: "
@@ -95,13 +97,13 @@ def replay(run: RunContext, key: GraphKey, batch: Batch) -> torch.Tensor | None:
 
 def _capture(run: RunContext, key: GraphKey, batch: Batch) -> CapturedGraph | CaptureFailure:
     """Capture the step for this key on the device copy of ``batch``."""
-    found = run.parallel.before_capture()  # e.g. an earlier loss's graph still alive
+    found = run.gate.before_capture()  # e.g. an earlier loss's graph still alive
     if found is not None:
         warn_at_user_line(f"TrainStep: {found}")
     device_batch = run.to_device(batch)
     result = run.capture_graph(key, device_batch, lambda b: _captured(run, b, key.role))
     if run.window.syncs(key.role):
-        run.parallel.count_forwards(run.call_steps)  # its host code ran once per step
+        run.gate.count_forwards(run.call_steps)  # its host code ran once per step
     return result
 
 
@@ -111,7 +113,7 @@ def _captured(run: RunContext, batch: Batch, role: Role) -> StepOut:
 
 
 def _explain_failure(run: RunContext, reason: str) -> str:
-    wrapper = run.parallel.explain_capture_failure(reason)
+    wrapper = run.recovery.explain_capture_failure(reason)
     if wrapper is not None:
         return f"{reason}\ncause: {wrapper}"
     if run.sync_hint is None:
@@ -124,6 +126,6 @@ def _reset_wrapper(run: RunContext, reason: str) -> None:
     training graphs read, so they go) and two eager steps before the next capture. A reset
     that cannot be done raises with the capture's own failure (``reason``) named."""
     with naming_the_failure(reason):
-        run.parallel.reset()
+        run.recovery.reset()
     run.follower.drop_training()
     run.set(hold_off=2)

@@ -12,6 +12,7 @@ import torch
 from .batch import Batch, Role
 from .body import StepOut
 from .compiling import first_forward_failure
+from .parallel import agree_over, failures_of_every_rank
 from .policy import Phase
 from .run_context import RunContext, detached, every_failure
 from .streams import on_stream
@@ -48,7 +49,7 @@ def eager(run: RunContext, batch: Batch) -> torch.Tensor:
         else:
             out = run.body.run(batch, role)
     if run.window.syncs(role):
-        run.parallel.count_forwards(n)
+        run.gate.count_forwards(n)
     if run.state.hold_off:
         run.set(hold_off=max(0, run.state.hold_off - n))
     run.output = detached(out.output)
@@ -69,9 +70,9 @@ def _first_compiled_step(run: RunContext, batch: Batch, role: Role) -> StepOut:
     """
     run.compile_pending = False
     failure = first_forward_failure(run.body, batch, run.device)
-    ok, _ = run.parallel.agree(failure is None, False)
+    ok, _ = agree_over(run.gate.group, run.device, failure is None, False)
     if not ok:
-        reason = every_failure(run.parallel.failures_of_every_rank(failure), "compile")
+        reason = every_failure(failures_of_every_rank(run.gate.group, failure), "compile")
         run.warn_or_raise(f"torch.compile failed, so the model runs uncompiled: {reason}")
-        run.body.parallel = run.rewrap()
+        run.use(run.rewrap())
     return run.body.run(batch, role)

@@ -25,7 +25,7 @@ EVAL_WARMUP = 2  # eager evaluations per input signature before its capture (cuD
 def evaluate(run: RunContext, batch: Batch) -> Any:
     """The forward in eval mode, graphed after ``EVAL_WARMUP`` eager calls per signature,
     watched; every module's own mode restored after it."""
-    run.parallel.before_call()
+    run.recovery.before_call()
     with _eval_mode(run):
         settle, output = run.watched("eval", lambda: _evaluate(run, batch))
     if settle:
@@ -50,12 +50,13 @@ def _evaluate(run: RunContext, batch: Batch) -> tuple[bool, Any]:
     key = GraphKey("eval", (False,) * len(run.submodules), batch.signature)
     seen = run.guarded(training=False)
     run.window.warn_if_open("evaluate()")
-    if run.parallel.buffers_due:
+    parallel = run.body.parallel
+    if parallel.buffers_due:
         # DDP's eval forward after a training step starts with rank 0's buffers (later ones
         # do not: its no_grad forward turns that off until the next training forward)
-        run.parallel.buffers_due = False
+        parallel.buffers_due = False
         with on_stream(run.stream):
-            run.parallel.sync_buffers()
+            parallel.sync_buffers()
     if run.graphs is not None and key not in run.graphs.captured and _capture_due(run, key):
         _capture(run, key, batch)
     if run.graphs is not None and key in run.graphs.captured:

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from .engine import GraphSet
 from .guard import Guard, Seen
 from .options import warn_at_user_line
-from .parallel import DataParallel
+from .parallel import Recovery
 from .report import StepReport
 from .streams import on_stream
 
@@ -45,7 +45,7 @@ class Follower:
 
     def __init__(
         self,
-        parallel: Callable[[], DataParallel],
+        parallel: Callable[[], Recovery],
         graphs: GraphSet | None,
         report: StepReport,
         device: torch.device,

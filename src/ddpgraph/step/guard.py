@@ -31,8 +31,9 @@ from torch import nn
 from . import events
 from .events import changes as _changes
 from .optim import describe_group_changes, hyperparameters, restore_identities, tensor_slots
+from .parallel.dtensor import address
 
-__all__ = ["Guard", "Seen", "address"]
+__all__ = ["Guard", "Seen"]
 
 # (the dict a module keeps its parameters or buffers in, the key, the name in the model)
 _Slot = tuple[dict[str, torch.Tensor | None], str, str]
@@ -41,13 +42,6 @@ _grad = attrgetter("grad")
 _requires_grad = attrgetter("requires_grad")
 _module_dict = attrgetter("__dict__")
 _data_ptr = torch.Tensor.data_ptr
-
-
-def address(tensor: torch.Tensor) -> int:
-    """Where a tensor's values live: a DTensor's (FSDP2's shards) are its local tensor's (its own
-    ``data_ptr()`` is 0)."""
-    local = getattr(tensor, "_local_tensor", None)
-    return (local if local is not None else tensor).data_ptr()
 
 
 def _address_or_none(tensor: torch.Tensor | None) -> int:

@@ -32,7 +32,7 @@ from .events import changes as _changes
 from .follow import Follower
 from .guard import Seen
 from .options import StepOptions, warn_at_user_line
-from .parallel import DataParallel
+from .parallel import CaptureGate, DataParallel, Recovery
 from .policy import Phase, Plan, PolicyState
 from .report import CaptureRecord, StepReport, mode_words
 from .window import Window
@@ -45,8 +45,9 @@ training_of = attrgetter("training")
 class RunContext:
     """The state of one TrainStep's calls and the primitives its paths share.
 
-    ``graphs`` is None where no graph can be captured (``fallback`` says why); ``rewrap`` builds
-    the wrapper again around the uncompiled module when ``compile`` fails.
+    ``graphs`` is None where no graph can be captured (``fallback`` says why); ``parallel`` is
+    the body's wrapper (:meth:`use`); ``rewrap`` builds it again around the uncompiled module
+    when ``compile`` fails.
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class RunContext:
         device: torch.device,
         stream: torch.cuda.Stream | None,
         submodules: list[nn.Module],
+        parallel: DataParallel,
         rewrap: Callable[[], DataParallel],
         report: StepReport,
         window: Window,
@@ -69,6 +71,10 @@ class RunContext:
         self.stream = stream
         self.submodules = submodules  # their modes key the graphs
         self.rewrap = rewrap
+        # the one wrapper, held by each path as the protocol it needs (the body: GradSync)
+        self.gate: CaptureGate
+        self.recovery: Recovery
+        self.use(parallel)
         self.report = report
         self.state = PolicyState()
         self.warmup = self._planned_warmup()
@@ -86,7 +92,7 @@ class RunContext:
         # what a script or framework changes in the model between calls
         events_only = options.guard == "events"
         self.follower = Follower(
-            lambda: self.body.parallel, graphs, report, device, stream, events_only=events_only
+            lambda: self.recovery, graphs, report, device, stream, events_only=events_only
         )
         # guard="events" while graphed: the submodules' modes re-read only when the events'
         # count moved since they were last read (any module's train() / eval(); the runner's own
@@ -96,9 +102,12 @@ class RunContext:
         self.seen_modes: tuple[bool, ...] = ()
         self.modes_at = -1  # the count when the modes were read
 
-    @property
-    def parallel(self) -> DataParallel:
-        return self.body.parallel
+    def use(self, parallel: DataParallel) -> None:
+        """``parallel`` as the step's wrapper: the body's :class:`~.parallel.GradSync`, the
+        decision's :class:`~.parallel.CaptureGate` (:attr:`gate`), the recovery's
+        :class:`~.parallel.Recovery` (:attr:`recovery`); one object, each path typed with the
+        narrowest protocol it needs."""
+        self.body.parallel = self.gate = self.recovery = parallel
 
     @property
     def phase(self) -> Phase:
@@ -110,7 +119,7 @@ class RunContext:
 
     def _planned_warmup(self) -> int:
         steps = self.options.warmup or DEFAULT_WARMUP
-        allows = self.parallel.count_allows_capture
+        allows = self.gate.count_allows_capture
         # one more step whose syncs are recorded, then capture at a count DDP does not time
         while not (allows(steps) and allows(steps - 1)):
             steps += 1
@@ -162,7 +171,7 @@ class RunContext:
         if isinstance(result, CapturedGraph):
             # every parameter, frozen ones too: a graph reads them in the forward, and
             # unfreezing one must re-capture as freezing does
-            parameters = list(self.parallel.module.parameters())
+            parameters = list(self.body.parallel.module.parameters())
             self.follower.guard.watch_optimizer(parameters, graphs.plan.optimizer)
         return result
 

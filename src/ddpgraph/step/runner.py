@@ -56,9 +56,9 @@ class Runner(RunContext):
         A replayed call runs in this one frame: each step below that has nothing to do is an
         attribute test, and the engine's ``replay`` is called from here."""
         self.call_steps = steps
-        parallel = self.body.parallel
-        if parallel.checks_before_call:  # FSDP2: undo the script's unshard() first
-            parallel.before_call()
+        recovery = self.recovery
+        if recovery.checks_before_call:  # FSDP2: undo the script's unshard() first
+            recovery.before_call()
         wd = watchdog.ACTIVE.value  # watchdog.active(), read without a call
         if wd is not None:  # a hang in this call becomes the watchdog's verdict
             graphed = self.state.phase is Phase.GRAPHED
@@ -71,13 +71,14 @@ class Runner(RunContext):
             win = self.window
             role: Role = "train"
             loss: torch.Tensor
+            gate = self.gate
             if win.plain and window is None:  # accumulate_calls=1: every call is a window
-                if False in map(dict.get, parallel.sync_dicts, parallel.sync_keys):
+                if False in map(dict.get, gate.sync_dicts, gate.sync_keys):
                     # the script turned a sync off: begin raises, naming its sync control
-                    win.begin(batch, last, parallel.script_sync(), None)
+                    win.begin(batch, last, gate.script_sync(), None)
                 starts = False
             else:
-                starts = win.begin(batch, last, parallel.script_sync(), window)
+                starts = win.begin(batch, last, gate.script_sync(), window)
                 role = win.role()
             body = self.body
             if self.state.phase is not Phase.GRAPHED or follower.trainable_changed:
@@ -136,7 +137,7 @@ class Runner(RunContext):
 
     def _ready(self) -> bool:
         """The wrapper's answer: may the next forwards of this call be captured?"""
-        return self.body.parallel.allows_capture(self.call_steps)
+        return self.gate.allows_capture(self.call_steps)
 
     def _run(self, action: Action, key: GraphKey, batch: Batch) -> torch.Tensor:
         """A training call that does not replay: the first capture, a new key's, or eager (also
@@ -154,7 +155,7 @@ class Runner(RunContext):
         """``step.update()`` (``defer_update=True``), watched: the optimizer step on the window
         the calls since the last update synced, with the param-group values (the LR) the script
         set since; graphed once the window's training graphs are (:mod:`.updating`)."""
-        self.parallel.before_call()
+        self.recovery.before_call()
         self.watched(self.watch_phase(), lambda: updating.update(self))
 
     def evaluate(self, batch: Batch) -> Any:
@@ -169,9 +170,9 @@ class Runner(RunContext):
         if self.phase is Phase.GRAPHED and not self.follower.trainable_changed:
             return
         self.follower.trainable_changed = False
-        if not self.parallel.follow_trainable():
+        if not self.recovery.follow_trainable():
             return
-        for param in self.parallel.inner.parameters():
+        for param in self.recovery.inner.parameters():
             if not param.requires_grad:
                 param.grad = None  # as the eager loop's zero_grad(set_to_none=True) leaves it
         self.follower.drop_training()
@@ -225,5 +226,5 @@ class Runner(RunContext):
         return (
             self.report.eager_steps >= calls
             and self.window.micro_batches == 0
-            and self.parallel.allows_capture(self.call_steps)
+            and self.gate.allows_capture(self.call_steps)
         )

@@ -211,7 +211,7 @@ class TrainStep:
         if self._shape_rule:
             policy.check_shape(batch)
         if policy.window.ends is not None:  # a framework's loop state (Accelerate's) has a say
-            last = policy.window.loop_ends(last, self._body.parallel.script_sync())
+            last = policy.window.loop_ends(last, policy.gate.script_sync())
         try:  # no frame of its own: this is the replayed path
             loss = policy.train(batch, 1, last=bool(last), window=window)
         except RuntimeError as exc:

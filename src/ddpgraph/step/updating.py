@@ -25,7 +25,7 @@ def update(run: RunContext) -> None:
     """The optimizer step of a deferred update, watched."""
     seen = run.guarded(training=True)
     run.window.take_update()
-    run.parallel.buffers_due = True
+    run.body.parallel.buffers_due = True
     key = GraphKey("update", run.modes(), NO_BATCH.signature)
     if run.phase is Phase.GRAPHED and _update_graphed(run, key):
         if seen is not None:

@@ -3,8 +3,10 @@
 :func:`wrap` picks the implementation: :class:`~.fsdp2.FSDP2` for a model sharded with
 ``fully_shard`` (or with ``parallel="fsdp2"``, sharded here), :class:`~.ddp.DDP`
 (DistributedDataParallel) for any other model when a process group exists, :class:`~.local.Local`
-(the module as is) otherwise. The step body, the capture policy and checkpoints talk to
-:class:`DataParallel` alone.
+(the module as is) otherwise. Each implements :class:`DataParallel`'s three protocols
+(:mod:`.base`); the step body holds it as a :class:`GradSync`, the runner's decision and
+construction as a :class:`CaptureGate`, the paths between calls and after a failed capture as a
+:class:`Recovery`. :mod:`.dtensor` reads DTensors (FSDP2's) with no FSDP2 state.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ from torch import nn
 
 from ...distributed.runtime import expandable_segments_on
 from ...errors import ConfigError
-from .base import DataParallel
+from .base import CaptureGate, DataParallel, GradSync, Recovery, agree_over, failures_of_every_rank
 from .local import Local
 
 __all__ = [
     "PARALLEL_CHOICES",
+    "CaptureGate",
     "DataParallel",
+    "GradSync",
     "ParallelMode",
+    "Recovery",
+    "agree_over",
     "check_graph_registration",
     "check_not_wrapped",
+    "failures_of_every_rank",
     "unwrap",
     "wrap",
 ]
@@ -74,7 +81,7 @@ def wrap(
             )
         replaced = None if sharded else shard_blocks(inner)
         check_graph_registration(device)
-        return FSDP2(module, device, stream, replaced)
+        return FSDP2(module, stream, replaced)
     if not grouped:
         return Local(module)
     from .ddp import DDP

@@ -28,9 +28,9 @@ from ..._typed_torch import (
     ddp_will_sync_buffers,
 )
 from ...errors import CaptureError, ConfigError
-from ...facts import DDP_STATS_SAMPLE_RATE
+from ...facts import DDP_STATS_SAMPLE_RATE, ddp_count_allows_capture
 from ..streams import on_stream
-from .base import DataParallel, agree_over
+from .base import DataParallel
 
 __all__ = ["DDP", "check_not_ddp", "inner_of"]
 
@@ -61,7 +61,6 @@ class DDP(DataParallel):
         kwargs.update(ddp_kwargs)
         self._kwargs, self._stream = kwargs, stream
         self.inner = module
-        self.device = device
         self._script_off = False  # the script's no_sync() was on at some earlier call
         self._build()
 
@@ -71,10 +70,11 @@ class DDP(DataParallel):
         with on_stream(self._stream):
             self.ddp = DistributedDataParallel(self.inner, **self._kwargs)
         self.module = self.ddp
+        self.group = self.ddp.process_group  # agreement: every rank of the DDP
         # script_sync's flags: DDP's own (no_sync()) and one set on the bare module
         self.sync_dicts = (self.ddp.__dict__, self.inner.__dict__)
         self.sync_keys = ("require_backward_grad_sync",) * 2
-        self.sample_rate = _stop_ddp_sampling(self.ddp)
+        self._sample_rate = _stop_ddp_sampling(self.ddp)  # the warm-up rule reads it
         self._trainable = _trainable_ids(self.inner)  # what DDP reduces: follow_trainable
         # DDP's own start-of-forward broadcast is switched off and done by forward_context and
         # sync_buffers instead: a graph replays whatever its capture recorded, so which forward
@@ -87,7 +87,7 @@ class DDP(DataParallel):
         self.ddp.register_forward_pre_hook(self._script_forward_starts)
         self.ddp.register_forward_hook(self._script_forward_ended)
 
-    # ----------------------------------------------------------------- forward and backward
+    # ----------------------------------------------------- GradSync: forward, backward and buffers
     @contextlib.contextmanager
     def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
@@ -120,6 +120,32 @@ class DDP(DataParallel):
         if self._broadcasts:
             ddp_sync_buffers(self.ddp)
 
+    # ---------------------------------------------- CaptureGate: the script's sync and the warm-up
+    def script_sync(self) -> bool | None:
+        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it); once a script
+        has used it, every call outside it is True, a window's end (timm's ``if not need_update:
+        with model.no_sync(): ...`` else a plain call: a short last window of one micro-batch
+        follows a full one), as FSDP2's."""
+        if not self.ddp.require_backward_grad_sync:
+            self._script_off = True
+            return False
+        if self._script_off:
+            return True
+        flag = self.inner.__dict__.get("require_backward_grad_sync")  # as the base's, inline
+        return None if flag is None else bool(flag)
+
+    def count_forwards(self, n: int) -> None:
+        self._forwards += n
+
+    def allows_capture(self, steps: int) -> bool:
+        first = self._forwards
+        return all(self.count_allows_capture(n) for n in range(first, first + steps))
+
+    def count_allows_capture(self, forwards: int) -> bool:
+        """The warm-up rule (ddpgraph.facts) at this DDP's sample rate."""
+        return ddp_count_allows_capture(forwards, self._sample_rate)
+
+    # ------------------------------------------ Recovery: between calls and after a failed capture
     def follow_trainable(self) -> bool:
         """DDP reduces the parameters that required gradients when it was built; after a freeze
         it would wait for gradients that never come (``find_unused_parameters=True`` searches for
@@ -146,34 +172,6 @@ class DDP(DataParallel):
         self._build()
         del old
 
-    def script_sync(self) -> bool | None:
-        """Also ``with step.model.no_sync():`` (DDP's own flag, False inside it); once a script
-        has used it, every call outside it is True, a window's end (timm's ``if not need_update:
-        with model.no_sync(): ...`` else a plain call: a short last window of one micro-batch
-        follows a full one), as FSDP2's."""
-        if not self.ddp.require_backward_grad_sync:
-            self._script_off = True
-            return False
-        if self._script_off:
-            return True
-        flag = self.inner.__dict__.get("require_backward_grad_sync")  # as the base's, inline
-        return None if flag is None else bool(flag)
-
-    # ----------------------------------------------------------------- capture preconditions
-    def count_forwards(self, n: int) -> None:
-        self._forwards += n
-
-    def allows_capture(self, steps: int) -> bool:
-        first = self._forwards
-        return all(self.count_allows_capture(n) for n in range(first, first + steps))
-
-    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
-        return agree_over(self.ddp.process_group, self.device, ok, dirty)
-
-    def peer_group(self) -> Any:
-        return self.ddp.process_group
-
-    # ----------------------------------------------------------------- failed captures
     def explain_capture_failure(self, reason: str) -> str | None:
         """With ``find_unused_parameters=True`` a step in which some parameter gets no gradient
         makes DDP's reducer copy its pageable CPU bitmap of used parameters to the device (the

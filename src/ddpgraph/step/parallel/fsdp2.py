@@ -32,7 +32,8 @@ from torch import nn
 from ...errors import CaptureError, ConfigError
 from ..live_graphs import find_earlier_graph, fresh_accumulators
 from ..streams import on_stream
-from .base import DataParallel, agree_over
+from .base import DataParallel
+from .dtensor import full_tensor, mesh_group
 
 __all__ = [
     "FSDP2",
@@ -74,11 +75,11 @@ class FSDP2(DataParallel):
     """
 
     shards_gradients = True  # each rank reduce-scatters into its own shard
+    checks_before_call = True  # before_call() undoes what the script left unsharded
 
     def __init__(
         self,
         module: nn.Module,
-        device: torch.device,
         stream: torch.cuda.Stream | None,
         replaced: dict[int, nn.Parameter] | None = None,
     ) -> None:
@@ -87,9 +88,8 @@ class FSDP2(DataParallel):
         self.module = module
         self.inner = module
         self.root = root  # what FSDP2's own methods (gradient sync, reshard, reset) are called on
-        self.device = device
         self._stream = stream
-        self.group = _group_of(root)
+        self.group = mesh_group(root)
         # a no-grad (evaluation) forward leaves the root's parameters gathered: reshard them
         self._hook = root.register_forward_hook(_reshard_after_no_grad_forward)
         # each sharded module with its parameter groups, walked once: read on every call
@@ -104,6 +104,7 @@ class FSDP2(DataParallel):
         self._script_off = False  # the script's set_requires_gradient_sync(False) was read
         self._capture_hint: str | None = None  # what before_capture saw and could not mend
 
+    # ---------------------------------------------------- GradSync: forward, backward and the norm
     def take_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """``parallel="fsdp2"`` sharded the model after the script built its optimizer over the
         plain parameters: point the optimizer's param groups at the DTensor parameters that
@@ -120,49 +121,6 @@ class FSDP2(DataParallel):
         for group in optimizer.param_groups:
             group["params"] = [self._replaced.get(id(p), p) for p in group["params"]]
 
-    # ----------------------------------------------------------------- between calls
-    checks_before_call = True
-
-    def before_call(self) -> None:
-        """Every call starts from FSDP2's idle, sharded state: a graph captured its all-gathers
-        from there, and a module left unsharded registers its unsharded parameters in place of
-        the shards. A script's explicit prefetch (``model.unshard()`` before each step, as
-        pytorch/examples' FSDP2 example does) is therefore undone here: a pending all-gather is
-        waited for, then the module resharded; the step all-gathers again itself, so the
-        prefetch saves nothing under TrainStep and changes no number. One pass over the
-        sharded modules' parameter groups."""
-        for module, groups in self._sharded:
-            pending = [g for g in groups if g._all_gather_result is not None]
-            if not pending and not any(g.is_unsharded for g in groups):
-                continue
-            with on_stream(self._stream):
-                for group in pending:
-                    group.wait_for_unshard()
-                module.reshard()  # type: ignore[operator]
-
-    def follow_storage(self) -> str | None:
-        """FSDP2 keeps its own views of each shard (``FSDPParam``): a move behind its back
-        (``p.data = ...``, ``model.to()``) would all-gather stale memory."""
-        raise ConfigError(
-            "a parameter, gradient or buffer of the FSDP2 model moved to new memory between "
-            "TrainStep calls (model.to() or p.data = ... after fully_shard); FSDP2 keeps its own "
-            "views of the shards and cannot follow that: move the model before fully_shard "
-            "(accelerate's prepare_model skips .to() for DTensor models), or change values in "
-            "place (param.data.copy_(new))."
-        )
-
-    def script_sync(self) -> bool | None:
-        """The script's own ``model.set_requires_gradient_sync(False)`` kept around ``step()``
-        (a plain FSDP2 loop's accumulation), read from FSDP2's parameter groups: False while it
-        is off (a micro-batch of the window), True on every call with it on once the script has
-        turned it off (a window's end, as DDP's ``no_sync``: two such calls in a row are a window
-        and a short window of one), else None. One read per parameter group."""
-        if not all(group.reduce_grads for group in self._flags):
-            self._script_off = True
-            return False
-        return True if self._script_off else None
-
-    # ----------------------------------------------------------------- forward and backward
     @contextlib.contextmanager
     def forward_context(self, *, sync_grads: bool, sync_buffers: bool) -> Iterator[None]:
         if sync_grads:
@@ -182,12 +140,23 @@ class FSDP2(DataParallel):
         """Clip the DTensor gradients as ``torch.nn.utils.clip_grad_norm_`` does in a plain FSDP2
         loop; the total norm as a plain device tensor (the partial norms are all-reduced on the
         device by DTensor; ``full_tensor()`` of the replicated result moves nothing)."""
-        return _full(super().clip_grad_norm_(max_norm))
+        return full_tensor(super().clip_grad_norm_(max_norm))
 
     def grad_norm(self) -> torch.Tensor:
-        return _full(super().grad_norm())
+        return full_tensor(super().grad_norm())
 
-    # ----------------------------------------------------------------- capture preconditions
+    # ------------------------ CaptureGate: the script's sync, the warm-up, what cannot be captured
+    def script_sync(self) -> bool | None:
+        """The script's own ``model.set_requires_gradient_sync(False)`` kept around ``step()``
+        (a plain FSDP2 loop's accumulation), read from FSDP2's parameter groups: False while it
+        is off (a micro-batch of the window), True on every call with it on once the script has
+        turned it off (a window's end, as DDP's ``no_sync``: two such calls in a row are a window
+        and a short window of one), else None. One read per parameter group."""
+        if not all(group.reduce_grads for group in self._flags):
+            self._script_off = True
+            return False
+        return True if self._script_off else None
+
     def count_allows_capture(self, forwards: int) -> bool:
         # FSDP2 times no iteration: after its lazy init (the first forward) and one optimizer
         # step (its state tensors exist), any count can be captured
@@ -205,9 +174,6 @@ class FSDP2(DataParallel):
                 "between its steps."
             )
         return True
-
-    def agree(self, ok: bool, dirty: bool) -> tuple[bool, bool]:
-        return agree_over(self.group, self.device, ok, dirty)
 
     def capture_problem(
         self, optimizer: torch.optim.Optimizer, *, fp16: bool, accumulate_calls: int
@@ -244,7 +210,57 @@ class FSDP2(DataParallel):
             )
         return None
 
-    # ----------------------------------------------------------------- failed captures
+    def before_capture(self) -> str | None:
+        """An earlier loss's autograd graph that still holds the gradient accumulators of
+        FSDP2's unsharded parameters (the script's eager steps before the TrainStep, their last
+        ``loss`` kept): the capture would reuse nodes made on another stream and fail. Where
+        live tensors hold it (the usual case), the parameters get new accumulators here and the
+        capture proceeds; the returned text names it either way (None: nothing found)."""
+        leaves = unsharded_leaves(self.root)
+        earlier = find_earlier_graph(leaves)
+        if earlier is None:
+            self._capture_hint = None
+            return None
+        text = earlier.describe(f"FSDP2's {len(leaves)} unsharded parameters")
+        if earlier.holders:
+            fresh_accumulators(earlier.leaves)
+            self._capture_hint = None
+            return (
+                f"{text}. TrainStep gave those parameters new accumulators for its capture, so "
+                "the step graphs; the old graph stays in memory until the reference goes."
+            )
+        self._capture_hint = text  # named again if the capture fails
+        return text
+
+    # ------------------------------------------ Recovery: between calls and after a failed capture
+    def before_call(self) -> None:
+        """Every call starts from FSDP2's idle, sharded state: a graph captured its all-gathers
+        from there, and a module left unsharded registers its unsharded parameters in place of
+        the shards. A script's explicit prefetch (``model.unshard()`` before each step, as
+        pytorch/examples' FSDP2 example does) is therefore undone here: a pending all-gather is
+        waited for, then the module resharded; the step all-gathers again itself, so the
+        prefetch saves nothing under TrainStep and changes no number. One pass over the
+        sharded modules' parameter groups."""
+        for module, groups in self._sharded:
+            pending = [g for g in groups if g._all_gather_result is not None]
+            if not pending and not any(g.is_unsharded for g in groups):
+                continue
+            with on_stream(self._stream):
+                for group in pending:
+                    group.wait_for_unshard()
+                module.reshard()  # type: ignore[operator]
+
+    def follow_storage(self) -> str | None:
+        """FSDP2 keeps its own views of each shard (``FSDPParam``): a move behind its back
+        (``p.data = ...``, ``model.to()``) would all-gather stale memory."""
+        raise ConfigError(
+            "a parameter, gradient or buffer of the FSDP2 model moved to new memory between "
+            "TrainStep calls (model.to() or p.data = ... after fully_shard); FSDP2 keeps its own "
+            "views of the shards and cannot follow that: move the model before fully_shard "
+            "(accelerate's prepare_model skips .to() for DTensor models), or change values in "
+            "place (param.data.copy_(new))."
+        )
+
     def dirty(self) -> bool:
         """Whether a failed capture left FSDP2 mid-iteration (a forward or backward state)."""
         return any(not_idle for not_idle in _training_states(self.root))
@@ -270,35 +286,9 @@ class FSDP2(DataParallel):
                     ) from exc
         _drop_unsharded_gradients(self.root)
 
-    # ----------------------------------------------------------------- before a capture
-    def before_capture(self) -> str | None:
-        """An earlier loss's autograd graph that still holds the gradient accumulators of
-        FSDP2's unsharded parameters (the script's eager steps before the TrainStep, their last
-        ``loss`` kept): the capture would reuse nodes made on another stream and fail. Where
-        live tensors hold it (the usual case), the parameters get new accumulators here and the
-        capture proceeds; the returned text names it either way (None: nothing found)."""
-        leaves = unsharded_leaves(self.root)
-        earlier = find_earlier_graph(leaves)
-        if earlier is None:
-            self._capture_hint = None
-            return None
-        text = earlier.describe(f"FSDP2's {len(leaves)} unsharded parameters")
-        if earlier.holders:
-            fresh_accumulators(earlier.leaves)
-            self._capture_hint = None
-            return (
-                f"{text}. TrainStep gave those parameters new accumulators for its capture, so "
-                "the step graphs; the old graph stays in memory until the reference goes."
-            )
-        self._capture_hint = text  # named again if the capture fails
-        return text
-
     def explain_capture_failure(self, reason: str) -> str | None:
         """What :meth:`before_capture` found and could not mend, if anything."""
         return self._capture_hint
-
-    def peer_group(self) -> Any:
-        return self.group
 
     def check_reset_alone(self) -> None:
         if dist.get_world_size(self.group) > 1:
@@ -477,22 +467,6 @@ def _offloading(root: nn.Module) -> str | None:
             if isinstance(getattr(group, "offload_policy", None), CPUOffloadPolicy):
                 return name or "the root"
     return None
-
-
-def _group_of(root: nn.Module) -> Any:
-    """The process group the mesh spans: every rank that runs the step (agreement)."""
-    from torch.distributed.tensor import DTensor
-
-    for param in root.parameters():
-        if isinstance(param, DTensor):
-            mesh = param.device_mesh
-            return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
-    return dist.group.WORLD
-
-
-def _full(norm: torch.Tensor) -> torch.Tensor:
-    full = getattr(norm, "full_tensor", None)
-    return full() if full is not None else norm
 
 
 def _reshard_after_no_grad_forward(module: nn.Module, args: Any, output: Any) -> None:
