@@ -117,6 +117,11 @@ class StepBody:
         assert total is not None
         return StepOut(total, output, self.update() if role == "train" else None)
 
+    def eager_for_good(self) -> None:
+        """No graph will read the gradients again: zero them as a plain loop does (set to
+        None), freeing their memory between steps."""
+        self.set_to_none = True
+
     def update(self) -> torch.Tensor | None:
         """The update on the gradients a window accumulated: clip or measure, the optimizer
         step (fp16: unscaled, skipped on inf/NaN), and zero gradients for the next window. Part

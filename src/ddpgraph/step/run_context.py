@@ -210,7 +210,7 @@ class RunContext:
     def enter_eager(self, reason: str, *, warn: bool = True) -> None:
         """Leave the graphed path for good: raise under graph='always', else warn once."""
         self.set(phase=Phase.EAGER)
-        self.body.set_to_none = True
+        self.body.eager_for_good()
         if self.options.graph == "never":
             return
         if self.options.graph == "always":
