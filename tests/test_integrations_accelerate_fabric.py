@@ -198,3 +198,17 @@ def test_from_accelerator_builds_the_step_over_accelerates_autocast_forward_with
     assert not outside, outside
     assert step.report().replays >= 1, step.report()
     assert model(x).dtype == torch.float32  # Accelerate's convert_to_fp32 on the wrapped forward
+
+
+def test_a_model_passed_where_the_framework_goes_is_named():
+    """``from_accelerator(model, optimizer)``-style slips: the first argument is the framework's
+    object, named with what was seen (it was an AttributeError deep in the option mapping)."""
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(
+        TypeError, match=r"first argument is the script's accelerate.Accelerator, got Linear"
+    ):
+        from_accelerator(model, model, optimizer)
+    with pytest.raises(
+        TypeError, match=r"first argument is the script's lightning.Fabric, got Linear"
+    ):
+        from_fabric(model, model, optimizer)

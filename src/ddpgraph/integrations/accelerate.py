@@ -69,6 +69,12 @@ def from_accelerator(
     ``Accelerator()`` passes ``accumulate_calls=k`` and ``last=`` its own condition (each
     micro-batch then syncs, as its prepared DDP did). ``options`` are TrainStep's; call on
     every rank with the model and optimizer as built (not prepared)."""
+    if not hasattr(accelerator, "distributed_type"):
+        raise TypeError(
+            f"from_accelerator(accelerator, model, optimizer, ...): the first argument is the "
+            f"script's accelerate.Accelerator, got {type(accelerator).__name__}; pass "
+            "from_accelerator(accelerator, model, optimizer)."
+        )
     said = "accumulate_calls" in options  # else a script accumulating by hand is refused
     chosen = accelerator_options(accelerator, model, optimizer, options)
     ends = window_ends(accelerator, window_said=said)

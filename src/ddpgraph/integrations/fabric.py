@@ -35,6 +35,12 @@ def from_fabric(
     through ``step.model`` run in Fabric's precision (:func:`fabric_options`). ``options`` are
     TrainStep's; call on every rank, after ``fabric.launch()``, with the model and optimizer as
     built (not through ``fabric.setup``)."""
+    if not hasattr(fabric, "strategy"):
+        raise TypeError(
+            f"from_fabric(fabric, model, optimizer, ...): the first argument is the script's "
+            f"lightning.Fabric, got {type(fabric).__name__}; pass "
+            "from_fabric(fabric, model, optimizer)."
+        )
     chosen = fabric_options(fabric, model, optimizer, options)
     # the script's forwards through step.model run in Fabric's precision; wrapped before the
     # step is built, which captures the forward it is given
