@@ -45,9 +45,10 @@ training_of = attrgetter("training")
 class RunContext:
     """The state of one TrainStep's calls and the primitives its paths share.
 
-    ``graphs`` is None where no graph can be captured (``fallback`` says why); ``parallel`` is
-    the body's wrapper (:meth:`use`); ``rewrap`` builds it again around the uncompiled module
-    when ``compile`` fails.
+    ``graphs`` is None where no graph can be captured (``fallback`` says why); the wrapper
+    given as ``parallel`` is held as :attr:`gate`, :attr:`recovery` and the body's ``parallel``
+    (:meth:`use`); ``rewrap`` builds it again around the uncompiled module when ``compile``
+    fails.
     """
 
     def __init__(
