@@ -212,3 +212,9 @@ def test_a_model_passed_where_the_framework_goes_is_named():
         TypeError, match=r"first argument is the script's lightning.Fabric, got Linear"
     ):
         from_fabric(model, model, optimizer)
+
+
+def test_window_ends_that_is_not_callable_is_refused_at_construction():
+    model, optimizer = _model_and_optimizer()
+    with pytest.raises(ConfigError, match=r"window_ends=True must be a callable"):
+        TrainStep(model, optimizer, torch.nn.MSELoss(), window_ends=True)  # type: ignore[arg-type]

@@ -116,6 +116,11 @@ class TrainStep:
             check_finite=check_finite, sync_every_call=sync_every_call, guard=guard,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
+        if window_ends is not None and not callable(window_ends):
+            raise ConfigError(
+                f"window_ends={window_ends!r} must be a callable (the framework's loop state, "
+                "asked on each call whether it ends the window) or None."
+            )
         check_compile_fits(model, compile)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler
