@@ -33,7 +33,7 @@ from .options import (
 )
 from .parallel import ParallelMode, unwrap
 from .report import Phase, StepReport
-from .window import WindowEnds
+from .window import WindowEnds, check_window_ends
 
 __all__ = ["TrainStep"]
 
@@ -116,11 +116,7 @@ class TrainStep:
             check_finite=check_finite, sync_every_call=sync_every_call, guard=guard,
         )  # fmt: skip
         check_arguments(model, optimizer, loss_fn)
-        if window_ends is not None and not callable(window_ends):
-            raise ConfigError(
-                f"window_ends={window_ends!r} must be a callable (the framework's loop state, "
-                "asked on each call whether it ends the window) or None."
-            )
+        check_window_ends(window_ends)
         check_compile_fits(model, compile)
         self.options, self.optimizer, self.loss_fn = options, optimizer, loss_fn
         self.scheduler = scheduler

@@ -24,12 +24,21 @@ from ..errors import ConfigError
 from .batch import Batch, Role
 from .options import StepOptions, warn_at_user_line
 
-__all__ = ["Window", "WindowEnds"]
+__all__ = ["Window", "WindowEnds", "check_window_ends"]
 
 # a framework's loop state, asked on each call whether it ends the window, told whether the
 # script says so itself (last= passed, or its DDP's no_sync() in use): True (it ends), False (it
 # only accumulates) or None (the window counts its calls, last= and the script's sync control)
 WindowEnds = Callable[[bool], "bool | None"]
+
+
+def check_window_ends(window_ends: object) -> None:
+    """TrainStep's ``window_ends=``: a callable or None, refused at construction otherwise."""
+    if window_ends is not None and not callable(window_ends):
+        raise ConfigError(
+            f"window_ends={window_ends!r} must be a callable (the framework's loop state, asked "
+            "on each call whether it ends the window) or None."
+        )
 
 
 class Window:
