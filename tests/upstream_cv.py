@@ -8,12 +8,13 @@ The script runs unchanged through ``runpy``, with a folder of JPEGs named as the
 (``<label>_<n>.jpg``, its ``extract_label``) and timm's ``create_model`` called with
 ``pretrained=False`` (no hub on the GPU machine: patched outside the script). Recorded from
 outside it: each training loss (``accelerator.backward``'s argument in the original, the step's
-return in the port), at each prepared scheduler's ``step()`` the LR and every parameter, each
-evaluation forward's logits, and the lines it prints ("epoch 0: 51.00")."""
+return in the port), at each prepared scheduler's ``step()`` the LR and every parameter (as its
+SHA-256), each evaluation forward's logits, and the lines it prints ("epoch 0: 51.00")."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import multiprocessing
 import os
@@ -118,6 +119,10 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     # launch, where the rank is no daemon (on the H100 at c4107d2: "daemonic processes are not
     # allowed to have children" at the first batch)
     multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    # and they start with the default method, fork, as from a torchrun rank; run_distributed's
+    # forkserver made itself the default here, and a forkserver worker imports torch, timm and
+    # Accelerate anew at each epoch's loader (on the H100 a run took 79 s instead of 13)
+    multiprocessing.set_start_method("fork", force=True)
     out = base / f"out_{variant}"
     sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
     printed = io.StringIO()
@@ -125,9 +130,20 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
         runpy.run_path(str(path), run_name="__main__")
     record["printed"] = [line for line in printed.getvalue().splitlines() if "epoch" in line]
     record["losses"] = [loss.float().cpu() for loss in record["losses"]]
-    record["updates"] = [[t.cpu() for t in update] for update in record["updates"]]
+    # every parameter after each of the 21 updates is ~2 GB of ResNet-50d: its SHA-256 compares
+    # as exactly and travels back from the worker in kilobytes
+    record["updates"] = [[_sha256(t) for t in update] for update in record["updates"]]
     record["report"] = record.get("report", "")
     return record
+
+
+def _sha256(tensor: torch.Tensor) -> torch.Tensor:
+    """The SHA-256 of the tensor's dtype, shape and bytes, as 32 uint8s: equal exactly when the
+    tensor is (the test compares it with ``torch.equal``, as it would the tensor)."""
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+    digest.update(data.tobytes())
+    return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
 
 
 def _graph_safe_original(record: dict[str, Any]) -> None:
