@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .._globals import Global, process_global
 from .batch import Batch, GraphKey
 from .capture_errors import first_capture_error
 from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
@@ -57,6 +58,7 @@ class CudaGraphSet(GraphTable):
     def __init__(self, stream: torch.cuda.Stream, plan: GraphSafeOptimizer) -> None:
         super().__init__(plan, stream.device)
         self._stream = stream
+        self._index: int = stream.device.index  # a capture stream's device has its index
         self._pool: Any = None
         self._hooks: list[ReplayHook] = []
 
@@ -114,7 +116,7 @@ class CudaGraphSet(GraphTable):
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor, non_blocking=True)
         captured.graph.replay()
-        stream = torch.cuda.current_stream(self._stream.device)
+        stream = _current_stream(self._index)  # where the replay ran: the caller's stream
         for hook in self._hooks:
             hook(stream)
 
@@ -131,6 +133,26 @@ class CudaGraphSet(GraphTable):
         self.captured.clear()
         self._pool = None
         gc.collect()  # graphs captured by a failing call may sit in a traceback's cycle
+
+
+# per device: torch's current stream's ids, and the Stream object built for them
+_CURRENT_STREAMS: Global[dict[int, tuple[tuple[int, int, int], torch.cuda.Stream]]] = (
+    process_global("graphs.current_streams", dict, reset_at_shutdown=False)
+)
+
+
+def _current_stream(index: int) -> torch.cuda.Stream:
+    """``torch.cuda.current_stream(index)`` for a replayed call: torch builds a new Stream object
+    at each call (about 4 us of host time on an H100's host,
+    ``benchmarks/probes/cuda_op_host_time.py``); this reads only the stream's ids and builds one
+    when they changed. A Stream object is its ids: an equal one records on the same stream."""
+    ids = torch._C._cuda_getCurrentStream(index)
+    seen = _CURRENT_STREAMS.value.get(index)
+    if seen is not None and seen[0] == ids:
+        return seen[1]
+    stream = torch.cuda.current_stream(index)
+    _CURRENT_STREAMS.value[index] = (ids, stream)
+    return stream
 
 
 def _release_rng_from_failed_capture(stream: torch.cuda.Stream) -> None:
