@@ -3,9 +3,11 @@
 Each call is timed on the host alone (``perf_counter`` around the call, no sync inside), with a
 ``torch.cuda.synchronize()`` every ``--every`` calls outside the timed region so the launch queue
 never fills (a full queue would make a call wait for the GPU). Reports the median and p90 over
-``--calls`` calls, and the bare ``graph.replay()`` host time for comparison. Works against any
-ddpgraph version with ``TrainStep`` and ``bare_graph()`` (so an older checkout on PYTHONPATH
-gives the "before" numbers in the same session).
+``--calls`` calls, the bare ``graph.replay()`` host time for comparison, and a hand-written
+replay doing the CUDA work a replayed call cannot skip (the batch's two copies into static
+inputs, the replay, a copy of the loss the script keeps): the floor no guard can go under.
+Works against any ddpgraph version with ``TrainStep`` and ``bare_graph()`` (so an older checkout
+on PYTHONPATH gives the "before" numbers in the same session).
 
     python benchmarks/probes/host_time_probe.py --out host-time.json
     python benchmarks/probes/host_time_probe.py --guard events --out host-time-events.json
@@ -43,6 +45,22 @@ def _timed(fn, calls: int, every: int) -> list[float]:
     return times
 
 
+def _hand_replay(graph, x: torch.Tensor, y: torch.Tensor):
+    """What a hand-written replay of the step must do: copy the batch into static inputs,
+    replay, copy the loss out (a script keeps each call's loss). Separate tensors of the same
+    shapes stand in for the graph's own static ones: the launches cost the same."""
+    x_static, y_static = torch.empty_like(x), torch.empty_like(y)
+    loss = torch.zeros((), device=x.device)
+
+    def call() -> torch.Tensor:
+        x_static.copy_(x, non_blocking=True)
+        y_static.copy_(y, non_blocking=True)
+        graph.replay()
+        return loss.clone()
+
+    return call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
@@ -65,6 +83,7 @@ def main() -> None:
     call = _timed(lambda: step(x, y), args.calls, args.every)
     graph = step.bare_graph()
     bare = _timed(graph.replay, args.calls, args.every) if graph is not None else []
+    hand = _timed(_hand_replay(graph, x, y), args.calls, args.every) if graph is not None else []
     result = {
         "label": args.label,
         "guard": args.guard,
@@ -79,6 +98,12 @@ def main() -> None:
             "p90": statistics.quantiles(bare, n=10)[-1] * 1e6,
         }
         if bare
+        else None,
+        "hand_replay_host_us": {
+            "median": statistics.median(hand) * 1e6,
+            "p90": statistics.quantiles(hand, n=10)[-1] * 1e6,
+        }
+        if hand
         else None,
     }
     print(json.dumps(result))
