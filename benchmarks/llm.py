@@ -177,8 +177,9 @@ def _run(workload: str, mode: str, opts: argparse.Namespace) -> dict[str, Any]:
 def versions() -> dict[str, str]:
     import importlib.metadata as metadata
 
-    found = {}
-    for name in ("torch", "transformers", "trl", "peft", "accelerate", "flash-attn"):
+    # torch's own string names its build (2.14.1+cu130); a wheel's metadata may not
+    found = {"torch": torch.__version__}
+    for name in ("transformers", "trl", "peft", "accelerate", "flash-attn"):
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -404,8 +404,10 @@ def test_resnet50_without_a_working_torchvision_is_one_line_naming_the_install(t
         "ddpgraph bench: resnet50: the ResNet-50 configs need torchvision, which does not import "
         "here ("
     ), line
-    cpu = "install the CPU build: pip install 'torchvision==0.28.*' --index-url "
-    assert (cpu if torch.version.cuda is None else "pip install 'torchvision==0.28.*'") in line
+    # torchvision's minor is torch's + 15 (torch 2.13 with 0.28, 2.14 with 0.29)
+    wanted = f"pip install 'torchvision==0.{int(torch.__version__.split('.')[1]) + 15}.*'"
+    cpu = f"install the CPU build: {wanted} --index-url "
+    assert (cpu if torch.version.cuda is None else wanted) in line
     if broken:
         assert "RuntimeError: operator torchvision::nms does not exist" in line
     assert not (tmp_path / "new").exists()
