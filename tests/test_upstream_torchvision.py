@@ -59,19 +59,21 @@ def _compare(tmp_path, flags, resume: str = "", updates: int = 21, evaluations: 
 
 # train.py's flags, one set a test (3 epochs of 7 batches a rank, the last of 3 images: 21
 # updates, the step's 12 warm-up calls among them, then captured and replayed; the short batch
-# runs eagerly): each optimizer and scheduler it builds, warm-up epochs, label smoothing,
-# mixup/cutmix (soft targets) with the v1 and v2 transforms, automatic augmentation and random
-# erasing, clipping, the EMA and its evaluation, norm and bias weight decay. Not here:
-# --ra-sampler (RASampler keeps a multiple of 256 images: none of these 54), --amp and --sync-bn
-# (tests/upstream_torchvision.py says why)
+# runs eagerly), on shufflenet_v2_x0_5 (BatchNorm) unless a set names the script's default
+# resnet18 or mobilenet_v3_small (its classifier's Dropout replayed): each optimizer and
+# scheduler it builds, warm-up epochs, label smoothing, mixup/cutmix (soft targets) with the v1
+# and v2 transforms, automatic augmentation and random erasing, clipping, the EMA and its
+# evaluation, norm and bias weight decay. Not here: --ra-sampler (RASampler keeps a multiple of
+# 256 images: none of these 54), --amp and --sync-bn (tests/upstream_torchvision.py says why)
 FLAG_SETS = {
-    "sgd-steplr-label-smoothing": [
-        "--opt", "sgd", "--lr", "0.02", "--lr-scheduler", "steplr", "--lr-step-size", "1",
-        "--lr-gamma", "0.5", "--label-smoothing", "0.1",
+    "resnet18-sgd-steplr-label-smoothing": [
+        "--model", "resnet18", "--opt", "sgd", "--lr", "0.02", "--lr-scheduler", "steplr",
+        "--lr-step-size", "1", "--lr-gamma", "0.5", "--label-smoothing", "0.1",
     ],
-    "sgd-nesterov-cosine-linear-warmup-norm-wd": [
-        "--opt", "sgd_nesterov", "--lr", "0.02", "--lr-scheduler", "cosineannealinglr",
-        "--lr-warmup-epochs", "1", "--lr-warmup-method", "linear", "--lr-warmup-decay", "0.1",
+    "mobilenet-v3-dropout-sgd-nesterov-cosine-linear-warmup-norm-wd": [
+        "--model", "mobilenet_v3_small", "--opt", "sgd_nesterov", "--lr", "0.02",
+        "--lr-scheduler", "cosineannealinglr", "--lr-warmup-epochs", "1",
+        "--lr-warmup-method", "linear", "--lr-warmup-decay", "0.1",
         "--norm-weight-decay", "0.0", "--bias-weight-decay", "0.0",
     ],
     "adamw-exponential-constant-warmup-clip": [

@@ -124,17 +124,22 @@ PORT = [
 ]  # fmt: skip
 
 
+_COLOURS = torch.tensor(
+    [[0, 0, 0], [159, 0, 0], [0, 159, 0], [0, 0, 159], [159, 159, 159]], dtype=torch.uint8
+)
+
+
 def make_images(folder: Path) -> None:
-    """``train/`` and ``val/`` ImageFolders of 40x40 JPEGs, ``CLASSES`` classes, each class's
-    images brighter in one channel."""
+    """``train/`` and ``val/`` ImageFolders of 40x40 JPEGs of noise, ``CLASSES`` classes, each
+    class's images lifted by a colour of its own."""
     from PIL import Image
 
     gen = torch.Generator().manual_seed(0)
     for split, count in (("train", TRAIN), ("val", VAL)):
         for n in range(count):
             label = n % CLASSES
-            pixels = torch.randint(0, 160, (40, 40, 3), generator=gen, dtype=torch.uint8)
-            pixels[..., label % 3] += 30 * (1 + label // 3)
+            pixels = torch.randint(0, 96, (40, 40, 3), generator=gen, dtype=torch.uint8)
+            pixels += _COLOURS[label]
             (folder / split / f"c{label}").mkdir(parents=True, exist_ok=True)
             Image.fromarray(pixels.numpy()).save(folder / split / f"c{label}" / f"{n}.jpg")
 
