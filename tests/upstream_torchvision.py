@@ -27,7 +27,9 @@ ImageFolder of small JPEGs the test makes. Its CPU snags are patched outside it,
   ("SyncBatchNorm layers only work with GPU modules"), for the original and the port alike.
 - ``--amp`` is not run: on the CPU the script's ``torch.cuda.amp.GradScaler()`` disables itself
   and ``torch.cuda.amp.autocast`` leaves CPU ops in float32 (a no-op), while the port's
-  ``amp="fp16"`` is real fp16: there is nothing the same to compare here.
+  ``amp="fp16"`` is real fp16: there is nothing the same to compare here. On a GPU
+  (``device="cuda"``: nothing of the above patched) tests/gpu/test_upstream_torchvision_gpu.py
+  compares it (written, not yet run).
 
 The original's optimizer is made graph-safe (``make_graph_safe``: fused SGD, capturable
 foreach AdamW / RMSprop, the LR in a tensor) where the port's TrainStep makes it, at the line
@@ -144,10 +146,14 @@ def make_images(folder: Path) -> None:
             Image.fromarray(pixels.numpy()).save(folder / split / f"c{label}" / f"{n}.jpg")
 
 
-def run(folder: str, script: str, variant: str, flags: list[str], out: str) -> dict[str, Any]:
+def run(
+    folder: str, script: str, variant: str, flags: list[str], out: str, device: str = "cpu"
+) -> dict[str, Any]:
     """One rank of the script ("original": its optimizer made graph-safe where the port's
     TrainStep makes it) or of its port ("port"), with ``flags``, writing its checkpoints into
-    ``folder/out``; what it recorded."""
+    ``folder/out``, on the CPU (its snags patched, the port on the CPU engine) or on this
+    rank's GPU ("cuda": the script's own nccl group and CUDA graphs; nothing patched but the
+    resume's ``Namespace`` and the seed); what it recorded."""
     import torch.distributed as dist
 
     base = Path(folder)
@@ -161,10 +167,12 @@ def run(folder: str, script: str, variant: str, flags: list[str], out: str) -> d
     sys.path.insert(0, str(Path(script).parent))  # its utils, presets, transforms, sampler
     os.chdir(base)
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "report": ""}
-    _cpu_snags(variant)
-    _record(record, variant)
+    if device == "cpu":
+        _cpu_snags(variant)
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    _record(record, variant, device)
     sys.argv = [
-        str(path), "--data-path", str(base / "images"), "--device", "cpu", "--model",
+        str(path), "--data-path", str(base / "images"), "--device", device, "--model",
         "shufflenet_v2_x0_5", "-b", "4", "--workers", "0", "--train-crop-size", "32",
         "--val-resize-size", "36", "--val-crop-size", "32", "--print-freq", "100",
         "--output-dir", str(base / out), *flags,
@@ -201,14 +209,13 @@ def _cpu_snags(variant: str) -> None:
         return t
 
     utils.reduce_across_processes = reduce_across_processes
-    torch.serialization.add_safe_globals([argparse.Namespace])
     if variant == "port":
         graphs_on_the_cpu_engine()
 
 
-def _record(record: dict[str, Any], variant: str) -> None:
+def _record(record: dict[str, Any], variant: str, device: str) -> None:
     """What the module docstring lists into ``record``; the port's step report; the original's
-    DDP built without ``device_ids``, its optimizer made graph-safe there."""
+    DDP built without ``device_ids`` on the CPU, its optimizer made graph-safe there."""
     import utils
 
     import ddpgraph
@@ -228,7 +235,7 @@ def _record(record: dict[str, Any], variant: str) -> None:
 
         def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
             if not module.training:
-                record["logits"].append(output.detach().clone())
+                record["logits"].append(output.detach().cpu().clone())
 
         model.register_forward_hook(hook)  # the EMA's deep copy keeps it
         return set_weight_decay(model, *args, **kwargs)
@@ -257,12 +264,14 @@ def _record(record: dict[str, Any], variant: str) -> None:
     else:
         ddp = torch.nn.parallel.DistributedDataParallel
 
-        def cpu_ddp(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> Any:
+        def wrapped(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> Any:
             for optimizer in held["optimizers"]:  # where the port's TrainStep makes it graph-safe
-                make_graph_safe(optimizer, torch.device("cpu"))
-            return ddp(module, **kwargs)  # no device_ids for a CPU module
+                make_graph_safe(optimizer, torch.device(device))
+            if device == "cpu":
+                return ddp(module, **kwargs)  # no device_ids for a CPU module
+            return ddp(module, device_ids=device_ids, **kwargs)
 
-        torch.nn.parallel.DistributedDataParallel = cpu_ddp  # type: ignore[misc]
+        torch.nn.parallel.DistributedDataParallel = wrapped  # type: ignore[misc]
 
 
 def comparable(value: Any) -> Any:
@@ -285,5 +294,6 @@ def saved(out: Path) -> dict[str, Any]:
     """Every checkpoint file the script wrote under ``out`` (``model_<epoch>.pth``,
     ``checkpoint.pth``), loaded, by name (read once every rank has finished)."""
     return {
-        p.name: comparable(torch.load(p, weights_only=False)) for p in sorted(out.glob("*.pth"))
+        p.name: comparable(torch.load(p, map_location="cpu", weights_only=False))
+        for p in sorted(out.glob("*.pth"))
     }
