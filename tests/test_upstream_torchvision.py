@@ -63,8 +63,8 @@ def _compare(tmp_path, flags, resume: str = "", updates: int = 21, evaluations: 
 # resnet18 or mobilenet_v3_small (its classifier's Dropout replayed): each optimizer and
 # scheduler it builds, warm-up epochs, label smoothing, mixup/cutmix (soft targets) with the v1
 # and v2 transforms, automatic augmentation and random erasing, clipping, the EMA and its
-# evaluation, norm and bias weight decay. Not here: --ra-sampler (RASampler keeps a multiple of
-# 256 images: none of these 54), --amp and --sync-bn (tests/upstream_torchvision.py says why)
+# evaluation, norm and bias weight decay (--ra-sampler, which keeps a multiple of 256 images,
+# has a test of its own). Not here: --amp and --sync-bn (tests/upstream_torchvision.py says why)
 FLAG_SETS = {
     "resnet18-sgd-steplr-label-smoothing": [
         "--model", "resnet18", "--opt", "sgd", "--lr", "0.02", "--lr-scheduler", "steplr",
@@ -104,6 +104,15 @@ def test_train_py_flag_matrix_ported_is_the_script_bit_for_bit(tmp_path, flag_se
     flags = ["--epochs", "3", *FLAG_SETS[flag_set]]
     ema = "--model-ema" in flags
     _compare(tmp_path, flags, evaluations=6 if ema else 3)
+
+
+def test_train_py_repeated_augmentation_ported_is_the_script_bit_for_bit(tmp_path):
+    """``--ra-sampler --ra-reps 2`` (RASampler: each image twice, differently augmented, a rank
+    keeping 256 // 2 = 128 of them an epoch) with ``--backend tensor`` over 256 images, one
+    epoch of 32 batches a rank, compared as the flag matrix's."""
+    upstream_torchvision.make_images(tmp_path / "images", train=256)
+    flags = ["--epochs", "1", "--lr", "0.02", "--ra-sampler", "--ra-reps", "2"]
+    _compare(tmp_path, [*flags, "--backend", "tensor"], updates=32, evaluations=1)
 
 
 def test_train_py_resumed_ported_is_the_script_bit_for_bit(tmp_path):

@@ -131,13 +131,13 @@ _COLOURS = torch.tensor(
 )
 
 
-def make_images(folder: Path) -> None:
-    """``train/`` and ``val/`` ImageFolders of 40x40 JPEGs of noise, ``CLASSES`` classes, each
-    class's images lifted by a colour of its own."""
+def make_images(folder: Path, train: int = TRAIN) -> None:
+    """``train/`` (``train`` images) and ``val/`` ImageFolders of 40x40 JPEGs of noise,
+    ``CLASSES`` classes, each class's images lifted by a colour of its own."""
     from PIL import Image
 
     gen = torch.Generator().manual_seed(0)
-    for split, count in (("train", TRAIN), ("val", VAL)):
+    for split, count in (("train", train), ("val", VAL)):
         for n in range(count):
             label = n % CLASSES
             pixels = torch.randint(0, 96, (40, 40, 3), generator=gen, dtype=torch.uint8)
