@@ -1,0 +1,64 @@
+"""torchvision's ``references/classification/train.py`` (pinned in ../shared/upstream/) as written
+against the real-loops guide's port on one GPU, with ``--amp`` (issue 52 items 1 and 6): the
+script's ``torch.cuda.amp`` autocast and ``GradScaler`` against the port's ``amp="fp16"`` (the
+step's loss scaling inside the graph), which the CPU tests cannot compare (on the CPU the
+script's ``--amp`` does nothing). Written, not yet run on a GPU. The worker is
+tests/upstream_torchvision.py with ``device="cuda"``: the script's own nccl group and CUDA
+graphs, nothing patched but the seed of Python's ``random`` and the resume's ``Namespace``; the
+script's optimizer made graph-safe where the port's TrainStep makes it;
+``--use-deterministic-algorithms`` (else the script turns on cuDNN's benchmark, whose choice of
+kernels may differ from run to run).
+
+Command on the GPU machine (which gets the checkout without ../shared: copy the script's folder
+into one that ``.git/info/exclude`` ignores, e.g. ``.upstream/``, and carry it)::
+
+    DDPGRAPH_UPSTREAM=.upstream python -m pytest -q tests/gpu/test_upstream_torchvision_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpgraph.testing import run_distributed
+
+from .. import upstream, upstream_torchvision
+from ..test_upstream_scripts import _same
+
+pytestmark = pytest.mark.timeout(900)
+
+AMP_SETS = {
+    "sgd": ["--opt", "sgd", "--lr", "0.02"],
+    "adamw-clip": ["--opt", "adamw", "--lr", "1e-3", "--clip-grad-norm", "0.5"],
+}
+
+
+@pytest.mark.parametrize("flag_set", sorted(AMP_SETS))
+def test_train_py_amp_ported_is_the_script_on_the_gpu(tmp_path, flag_set):
+    """Every loss, LR and model tensor after each update, the evaluation logits, the printed
+    Acc@1/Acc@5 and the checkpoints' model and optimizer, bit for bit, the port replaying (the
+    port's checkpoint has no ``"scaler"`` entry: its loss scale is the step's)."""
+    pytest.importorskip("torchvision")
+    for name in upstream_torchvision.MODULES:
+        upstream.script(upstream_torchvision.FOLDER, name)
+    script = upstream.script(upstream_torchvision.FOLDER, upstream_torchvision.NAME)
+    upstream_torchvision.make_images(tmp_path / "images")
+    flags = ["--epochs", "3", "--amp", "--use-deterministic-algorithms", *AMP_SETS[flag_set]]
+    runs = {}
+    for variant in ("original", "port"):
+        args = (str(tmp_path), str(script), variant, flags, variant, "cuda")
+        (runs[variant],) = run_distributed(
+            upstream_torchvision.run, 1, args=args, timeout=600, init=False,
+            env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        )  # fmt: skip
+    ours, theirs = runs["port"], runs["original"]
+    print(ours["report"])
+    # 54 images on one rank: 14 batches an epoch, the last of 2
+    assert len(theirs["updates"]) == 3 * 14 and len(theirs["printed"]) == 3, theirs["printed"]
+    for key in ("losses", "lrs", "updates", "logits", "printed"):
+        _same(ours[key], theirs[key], key)
+    assert "replays=0 " not in ours["report"], ours["report"]
+    files = {v: upstream_torchvision.saved(tmp_path / v) for v in ("port", "original")}
+    for name, checkpoint in files["original"].items():
+        assert "scaler" in checkpoint and "scaler" not in files["port"][name], name
+        for key in ("model", "optimizer", "lr_scheduler", "epoch"):
+            _same(files["port"][name][key], checkpoint[key], f"{name}/{key}")

@@ -1,0 +1,170 @@
+"""torchvision's ``references/classification/train.py`` (pinned in ../shared/upstream/) run as
+written and as the real-loops guide ports it (``model = step.model``), on 2 gloo CPU ranks with
+the same seed and data, compared bit for bit (issue 52 items 1 and 6): every training loss, the
+LRs and every tensor of the model's state dict after each update, each evaluation's logits
+(through the step's DDP, and the EMA's), the Acc@1/Acc@5 lines it prints and every checkpoint
+file; the port graphed on the CPU engine and replaying. The workers and the CPU snags patched
+outside the script: tests/upstream_torchvision.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddpgraph.testing import run_distributed
+
+from . import upstream, upstream_torchvision
+from .test_upstream_scripts import _guide_hunks, _layout_free, _replays, _same
+
+pytestmark = pytest.mark.timeout(900)
+RUN_S = 600  # a launch of 2 ranks importing torchvision on a loaded machine
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "real-loops.md"
+
+
+def _script():
+    pytest.importorskip("torchvision")
+    for name in upstream_torchvision.MODULES:  # what the script imports beside it
+        upstream.script(upstream_torchvision.FOLDER, name)
+    return upstream.script(upstream_torchvision.FOLDER, upstream_torchvision.NAME)
+
+
+def _run(tmp_path, variant: str, flags: list[str], out: str):
+    args = (str(tmp_path), str(_script()), variant, flags, out)
+    return run_distributed(upstream_torchvision.run, 2, args=args, timeout=RUN_S, init=False)
+
+
+def _compare(tmp_path, flags, resume: str = "", updates: int = 21, evaluations: int = 3):
+    """The script and its port with ``flags`` (and ``--resume`` from the checkpoint file
+    ``resume`` each run wrote itself before, into folders of their own): every recorded
+    quantity on each rank and every checkpoint file, the port replaying."""
+    out = "_resumed" if resume else ""
+    runs = {}
+    for variant in ("original", "port"):
+        more = ["--resume", str(tmp_path / variant / resume)] if resume else []
+        runs[variant] = _run(tmp_path, variant, [*flags, *more], f"{variant}{out}")
+    original, port = runs["original"], runs["port"]
+    for rank, (ours, theirs) in enumerate(zip(port, original)):
+        assert len(theirs["updates"]) == updates, len(theirs["updates"])
+        assert len(theirs["printed"]) == (evaluations if rank == 0 else 0), theirs["printed"]
+        for key in ("losses", "lrs", "updates", "logits", "printed"):
+            _same(ours[key], theirs[key], f"rank {rank} {key}")
+        assert _replays(ours["report"]) > 0, ours["report"]
+    files = [upstream_torchvision.saved(tmp_path / f"{v}{out}") for v in ("port", "original")]
+    assert "checkpoint.pth" in files[1], sorted(files[1])
+    _same(*files, "checkpoints")
+    return port, original
+
+
+# train.py's flags, one set a test (3 epochs of 7 batches a rank, the last of 3 images: 21
+# updates, the step's 12 warm-up calls among them, then captured and replayed; the short batch
+# runs eagerly), on shufflenet_v2_x0_5 (BatchNorm) unless a set names the script's default
+# resnet18 or mobilenet_v3_small (its classifier's Dropout replayed): each optimizer and
+# scheduler it builds, warm-up epochs, label smoothing, mixup/cutmix (soft targets) with the v1
+# and v2 transforms, automatic augmentation and random erasing, clipping, the EMA and its
+# evaluation, norm and bias weight decay (--ra-sampler, which keeps a multiple of 256 images,
+# has a test of its own). Not here: --amp and --sync-bn (tests/upstream_torchvision.py says why)
+FLAG_SETS = {
+    "resnet18-sgd-steplr-label-smoothing": [
+        "--model", "resnet18", "--opt", "sgd", "--lr", "0.02", "--lr-scheduler", "steplr",
+        "--lr-step-size", "1", "--lr-gamma", "0.5", "--label-smoothing", "0.1",
+    ],
+    "mobilenet-v3-dropout-sgd-nesterov-cosine-linear-warmup-norm-wd": [
+        "--model", "mobilenet_v3_small", "--opt", "sgd_nesterov", "--lr", "0.02",
+        "--lr-scheduler", "cosineannealinglr", "--lr-warmup-epochs", "1",
+        "--lr-warmup-method", "linear", "--lr-warmup-decay", "0.1",
+        "--norm-weight-decay", "0.0", "--bias-weight-decay", "0.0",
+    ],
+    "adamw-exponential-constant-warmup-clip": [
+        "--opt", "adamw", "--lr", "1e-3", "--wd", "0.05", "--lr-scheduler", "exponentiallr",
+        "--lr-gamma", "0.7", "--lr-warmup-epochs", "1", "--clip-grad-norm", "0.5",
+    ],
+    "rmsprop-mixup-cutmix": [
+        "--opt", "rmsprop", "--lr", "1e-3", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0",
+        "--label-smoothing", "0.1",
+    ],
+    "sgd-v2-transforms-mixup-cutmix-trivialaugment-random-erase": [
+        "--opt", "sgd", "--lr", "0.02", "--use-v2", "--mixup-alpha", "0.2", "--cutmix-alpha",
+        "1.0", "--auto-augment", "ta_wide", "--random-erase", "0.2",
+    ],
+    "sgd-ema-every-2-warmup": [
+        "--opt", "sgd", "--lr", "0.02", "--model-ema", "--model-ema-steps", "2",
+        "--model-ema-decay", "0.9", "--lr-warmup-epochs", "1",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("flag_set", sorted(FLAG_SETS))
+def test_train_py_flag_matrix_ported_is_the_script_bit_for_bit(tmp_path, flag_set):
+    """Each flag set of the script as written against the guide's port: every loss, LR and
+    model tensor after each update, the evaluation logits through the DDP (and the EMA's), the
+    printed Acc@1/Acc@5 and every checkpoint, on both ranks, the port replaying."""
+    upstream_torchvision.make_images(tmp_path / "images")
+    flags = ["--epochs", "3", *FLAG_SETS[flag_set]]
+    ema = "--model-ema" in flags
+    _compare(tmp_path, flags, evaluations=6 if ema else 3)
+
+
+def test_train_py_repeated_augmentation_ported_is_the_script_bit_for_bit(tmp_path):
+    """``--ra-sampler --ra-reps 2`` (RASampler: each image twice, differently augmented, a rank
+    keeping 256 // 2 = 128 of them an epoch) with ``--backend tensor`` over 256 images, one
+    epoch of 32 batches a rank, compared as the flag matrix's."""
+    upstream_torchvision.make_images(tmp_path / "images", train=256)
+    flags = ["--epochs", "1", "--lr", "0.02", "--ra-sampler", "--ra-reps", "2"]
+    _compare(tmp_path, [*flags, "--backend", "tensor"], updates=32, evaluations=1)
+
+
+def test_train_py_resumed_ported_is_the_script_bit_for_bit(tmp_path):
+    """``--resume model_0.pth``, each run from the checkpoint it wrote itself: the model,
+    AdamW's state, the warm-up-then-cosine scheduler and the EMA loaded (``weights_only=True``,
+    ``argparse.Namespace`` allowed outside the script), epochs 1 and 2 trained (14 updates, the
+    step captured after its warm-up again), compared as the flag matrix's, and the full runs
+    too; then ``--test-only`` from the last checkpoint: one evaluation through the model (the
+    port's ``step.model``) before any training step, its logits and printed line."""
+    upstream_torchvision.make_images(tmp_path / "images")
+    flags = ["--epochs", "3", "--opt", "adamw", "--lr", "1e-3", "--lr-scheduler"]
+    flags += ["cosineannealinglr", "--lr-warmup-epochs", "1", "--model-ema"]
+    flags += ["--model-ema-steps", "1", "--model-ema-decay", "0.9", "--clip-grad-norm", "1.0"]
+    _compare(tmp_path, flags, evaluations=6)
+    _compare(tmp_path, flags, resume="model_0.pth", updates=14, evaluations=4)
+    tested = {}
+    plain = [flag for flag in flags if flag != "--model-ema"]  # evaluate(model, ...): the DDP's
+    for variant in ("original", "port"):
+        more = ["--test-only", "--resume", str(tmp_path / variant / "checkpoint.pth")]
+        tested[variant] = _run(tmp_path, variant, [*plain, *more], f"{variant}_tested")
+    for rank, (ours, theirs) in enumerate(zip(tested["port"], tested["original"])):
+        assert not theirs["updates"] and len(theirs["logits"]) == 3, theirs  # 10 images a rank
+        assert [line.split()[:2] for line in theirs["printed"]] == [["Test:", "Acc@1"]] * (1 - rank)
+        for key in ("logits", "printed"):
+            _same(ours[key], theirs[key], f"rank {rank} {key}")
+
+
+def test_train_py_sync_bn_on_the_cpu_is_refused_alike(tmp_path):
+    """``--sync-bn`` on CPU modules: torch's DDP refuses SyncBatchNorm there, for the script's
+    DDP and the port's alike, with the same error on every rank (the port adds none of its
+    own); on a GPU it runs (not tested here)."""
+    upstream_torchvision.make_images(tmp_path / "images")
+    flags = ["--epochs", "1", "--sync-bn"]
+    errors = set()
+    for variant in ("original", "port"):
+        args = (str(tmp_path), str(_script()), variant, flags, variant)
+        raised = run_distributed(
+            upstream_torchvision.run, 2, args=args, timeout=RUN_S, init=False,
+            return_exceptions=True,
+        )  # fmt: skip
+        errors |= {f"{type(e).__name__}: {e}" for e in raised}
+    assert errors == {"ValueError: SyncBatchNorm layers only work with GPU modules"}, errors
+
+
+def test_the_guides_diff_is_the_port_as_tested():
+    """What the real-loops guide tells a user to change in ``train.py`` is what these tests
+    change in it: its diff applied to the pinned script gives the port they run, up to layout
+    (issue 52 item 6)."""
+    text = _script().read_text(encoding="utf-8")
+    applied = _layout_free(text.splitlines())
+    for old, new in _guide_hunks("### A classic recipe's own evaluation loop\n", GUIDE):
+        assert applied.count(old) == 1, f"the guide's hunk is not once in the script: {old}"
+        applied = applied.replace(old, new)
+    port = upstream.ported(text, upstream_torchvision.PORT)
+    assert applied == _layout_free(port.splitlines())
