@@ -143,7 +143,7 @@ _CURRENT_STREAMS: Global[dict[int, tuple[tuple[int, int, int], torch.cuda.Stream
 
 def _current_stream(index: int) -> torch.cuda.Stream:
     """``torch.cuda.current_stream(index)`` for a replayed call: torch builds a new Stream object
-    at each call (4 to 7 us of host time on an H100's host,
+    at each call (about 4 us of host time on an H100's host,
     ``benchmarks/probes/cuda_op_host_time.py``); this reads only the stream's ids and builds one
     when they changed. A Stream object is its ids: an equal one records on the same stream."""
     ids = torch._C._cuda_getCurrentStream(index)
