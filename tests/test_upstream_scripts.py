@@ -6,14 +6,11 @@ script's flags (accumulation with short windows, bf16, schedules, checkpoints an
 set a run, and the guide's diff of each port checked against the port these tests run (item 6).
 
 Run here: transformers' run_glue_no_trainer.py and Accelerate's
-gradient_accumulation_for_autoregressive_models.py. Not here: torchvision's and timm's train.py and
-Accelerate's complete_cv_example.py need torchvision, and the package index has no CPU build of
-torchvision for torch 2.13 (its 0.28.0 wheel is the CUDA build: ``import torchvision`` fails
-with "operator torchvision::nms does not exist" and takes transformers' image utilities with
-it). complete_cv_example.py runs as written in tests/gpu/test_upstream_scripts_gpu.py (written,
-not yet run on a GPU; its port is checked here); no test runs the two train.py as written yet:
-their habits are tested on loops of their own shape (tests/test_recipes.py,
-tests/test_recipe_windows.py).
+gradient_accumulation_for_autoregressive_models.py. timm's train.py runs as written in
+tests/test_upstream_timm.py (torch 2.14.1 with torchvision 0.29.1 and timm 1.0.28, which import
+on the CPU). Accelerate's complete_cv_example.py runs as written in
+tests/gpu/test_upstream_scripts_gpu.py (written, not yet run on a GPU; its port is checked
+here).
 """
 
 from __future__ import annotations
@@ -302,9 +299,9 @@ def _layout_free(lines: list[str]) -> str:
     return re.sub(r"\s|\\", "", "".join(lines))
 
 
-def _guide_hunks(heading: str) -> list[tuple[str, str]]:
-    """Each hunk (old side, new side) of the first diff block after ``heading`` in the guide."""
-    text = GUIDE.read_text(encoding="utf-8")
+def _guide_hunks(heading: str, guide: Path = GUIDE) -> list[tuple[str, str]]:
+    """Each hunk (old side, new side) of the first diff block after ``heading`` in ``guide``."""
+    text = guide.read_text(encoding="utf-8")
     assert text.count(heading) == 1, heading
     block = text.split(heading, 1)[1].split("```diff\n", 1)[1].split("\n```", 1)[0]
     hunks: list[tuple[list[str], list[str]]] = [([], [])]
