@@ -112,7 +112,13 @@ class StepBody:
                 _check_scalar_loss(loss)
                 seeded = loss if self.finite is None else self.finite.seed(loss)
                 self.precision.backward(seeded / divisor)
-            part = loss.detach().float() / self.accumulate
+            # one micro-batch: its loss in its own dtype, as the script's run has it (bf16 under
+            # the CPU's autocast; timm's train.py averages its log in it, ``loss.new([avg])``);
+            # accumulate's mean of several: in float32
+            if self.accumulate == 1:
+                part = loss.detach()
+            else:
+                part = loss.detach().float() / self.accumulate
             total = part if total is None else total + part
         assert total is not None
         return StepOut(total, output, self.update() if role == "train" else None)

@@ -311,6 +311,11 @@ def _lr_tensor(group: dict[str, Any], device: torch.device) -> torch.Tensor:
     lr = group["lr"]
     if _is_lr_tensor(lr, device):
         return lr
+    # a scheduler built after this takes ``group["lr"]`` as its base LR: torch's copies a tensor,
+    # timm's (``group.setdefault("initial_lr", group["lr"])``) keeps the tensor itself, whose
+    # value each LR the step copies in would then overwrite (its cosine fell to 1e-4 of the
+    # script's in one epoch): it finds the script's own number here instead, as without the step
+    group.setdefault("initial_lr", lr if isinstance(lr, float) else float(lr))
     tensor = torch.tensor(float(lr), dtype=torch.float32, device=device)
     group["lr"] = tensor
     return tensor
