@@ -150,6 +150,7 @@ def test_a_timm_scheduler_built_after_the_step_keeps_its_base_lr():
     """timm's schedulers keep ``group["lr"]`` as their base value without copying it; built
     after ``make_graph_safe`` they must find the script's float, not the LR tensor each LR is
     then copied into: every LR equals the plain optimizer's, to float32."""
+    pytest.importorskip("timm")
     import torch
     from timm.scheduler import create_scheduler_v2
 
@@ -183,7 +184,11 @@ REFUSALS = {
     ),
     "port_no_accumulate_calls": (
         "the script turned the gradient sync off for this call",
-        "pass accumulate_calls=k",
+        "pass accumulate_calls=k (k micro-batches per optimizer step, one per call): the k-th "
+        "call, or the first one with the sync on again, syncs and steps; where the script "
+        "divides a short window's loss by its own length (timm's train.py: accum_steps becomes "
+        "the epoch's last window's length), pass that length too: step(input, target, "
+        "window=accum_steps).",
     ),
 }
 
@@ -196,6 +201,8 @@ def test_timm_train_ported_without_its_window_is_refused_on_every_rank(tmp_path,
     script's sync back on after one call; without ``accumulate_calls``: at its first call, the
     script's sync off), so no validation or checkpoint is written from a wrong update; the
     advice names the fix (issue 52 items 2 and 3)."""
+    for package in ("timm", "torchvision"):  # in .[dev]
+        pytest.importorskip(package)
     flags = [*BASE, "--epochs", "2", "--grad-accum-steps", "3"]
     upstream_timm.make_images(tmp_path / "data")
     script = upstream.script(upstream_timm.FOLDER, upstream_timm.NAME)

@@ -204,7 +204,9 @@ class Window:
                 "TrainStep(accumulate_calls=1) syncs and steps the optimizer on every call, so "
                 "its accumulation would be ignored; pass accumulate_calls=k (k micro-batches per "
                 "optimizer step, one per call): the k-th call, or the first one with the sync "
-                "on again, syncs and steps."
+                "on again, syncs and steps; where the script divides a short window's loss by "
+                "its own length (timm's train.py: accum_steps becomes the epoch's last window's "
+                "length), pass that length too: step(input, target, window=accum_steps)."
             )
         if last or self.micro_batches == self.length - 1:
             position = "step(..., last=True)" if last else f"call {self.length} of {self.length}"
