@@ -30,8 +30,9 @@ RUN_S = 600  # a launch of 2 ranks importing transformers and datasets on a load
 
 
 def _same(ours: object, theirs: object, where: str) -> None:
-    if isinstance(theirs, torch.Tensor):
-        assert isinstance(ours, torch.Tensor) and torch.equal(ours, theirs), where
+    if isinstance(theirs, torch.Tensor):  # torch.equal alone would pass a float32 for a bf16
+        assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype, (where, ours.dtype)
+        assert torch.equal(ours, theirs), where
     elif isinstance(theirs, dict):
         assert isinstance(ours, dict) and sorted(ours) == sorted(theirs), where
         for key in theirs:
