@@ -563,7 +563,7 @@ def _beat_key(rank: int) -> str:
 
 def _thread_store(store: Store) -> Store:
     try:
-        clone: Store = store.clone()  # type: ignore[attr-defined]  # not in the stubs
+        clone: Store = store.clone()  # type: ignore[attr-defined, unused-ignore]  # not in the stubs
     except Exception:  # a store type without clone: share it (its calls are thread-safe in c10d)
         return store
     with contextlib.suppress(Exception):

@@ -535,7 +535,7 @@ class _TrainerLoss(nn.Module):
         if k > 1:
             # TrainStep divides each micro-batch's loss by k; this loss is the Trainer's, so
             # its gradient is taken back to the Trainer's exactly
-            loss = _UndoDivision.apply(loss, k)  # type: ignore[no-untyped-call]
+            loss = _UndoDivision.apply(loss, k)  # type: ignore[no-untyped-call, unused-ignore]
         if taken is None:
             return loss
         # the metrics' local tensors leave the graph as outputs: each replay refreshes them

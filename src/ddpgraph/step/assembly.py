@@ -60,7 +60,7 @@ def assemble(
     """The parts of a TrainStep over ``model`` on ``device`` (options already validated)."""
     stream = capture_stream(device) if device.type == "cuda" else None
     if options.channels_last:
-        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload, unused-ignore]
     kwargs = dict(ddp_kwargs or {})
     parallel = options.parallel
     precision = precision_for(options.amp, device, options.grad_scaler)

@@ -66,7 +66,7 @@ class FiniteCheck:
     # ------------------------------------------------------------------ device side
     def seed(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` as it is, whose backward makes every gradient NaN when it is not finite."""
-        return cast(torch.Tensor, _NanSeed.apply(loss))  # type: ignore[no-untyped-call]
+        return cast(torch.Tensor, _NanSeed.apply(loss))  # type: ignore[no-untyped-call, unused-ignore]
 
     def record(self, grads: Iterable[torch.Tensor], grad_norm: torch.Tensor | None) -> None:
         """Count one update, flagging it if its total grad norm (where given: the caller passes
