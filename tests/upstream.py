@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # DDPGRAPH_UPSTREAM: a copy of the folder where ../shared does not travel (the GPU machine gets
@@ -144,6 +145,15 @@ def graphs_on_the_cpu_engine() -> None:
         return build(engine or CpuGraphs(), *args)
 
     assembly.build_graphs = build_graphs  # type: ignore[assignment]
+
+
+def sha256_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The SHA-256 of the tensor's dtype, shape and bytes, as 32 uint8s: equal exactly when the
+    tensor is (the test compares it with ``torch.equal``, as it would the tensor)."""
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
+    digest.update(data.tobytes())
+    return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
 
 
 def _read(path: Path) -> str:

@@ -14,7 +14,6 @@ SHA-256), each evaluation forward's logits, and the lines it prints ("epoch 0: 5
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import multiprocessing
 import os
@@ -31,6 +30,7 @@ from .upstream import (
     ported,
     record_step_losses,
     record_updates,
+    sha256_of,
 )
 
 FOLDER, NAME = "accelerate_complete_cv_example", "complete_cv_example.py"
@@ -132,18 +132,9 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     record["losses"] = [loss.float().cpu() for loss in record["losses"]]
     # every parameter after each of the 21 updates is ~2 GB of ResNet-50d: its SHA-256 compares
     # as exactly and travels back from the worker in kilobytes
-    record["updates"] = [[_sha256(t) for t in update] for update in record["updates"]]
+    record["updates"] = [[sha256_of(t) for t in update] for update in record["updates"]]
     record["report"] = record.get("report", "")
     return record
-
-
-def _sha256(tensor: torch.Tensor) -> torch.Tensor:
-    """The SHA-256 of the tensor's dtype, shape and bytes, as 32 uint8s: equal exactly when the
-    tensor is (the test compares it with ``torch.equal``, as it would the tensor)."""
-    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-    digest = hashlib.sha256(f"{tensor.dtype} {tuple(tensor.shape)}".encode())
-    digest.update(data.tobytes())
-    return torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
 
 
 def _graph_safe_original(record: dict[str, Any]) -> None:

@@ -61,8 +61,7 @@ import torch
 
 from ddpgraph.step.optim import make_graph_safe
 
-from .upstream import graphs_on_the_cpu_engine, ported
-from .upstream_cv import _sha256
+from .upstream import graphs_on_the_cpu_engine, ported, sha256_of
 
 FOLDER, NAME = "torchvision_classification", "train.py"
 MODULES = ("utils.py", "presets.py", "transforms.py", "sampler.py")
@@ -248,7 +247,7 @@ def _record(record: dict[str, Any], variant: str, device: str) -> None:
             record["losses"].append(kwargs["loss"])
             groups = held["optimizers"][0].param_groups
             record["lrs"].append([float(group["lr"]) for group in groups])
-            record["updates"].append([_sha256(t) for t in held["model"].state_dict().values()])
+            record["updates"].append([sha256_of(t) for t in held["model"].state_dict().values()])
         update(self, **kwargs)
 
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
