@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ddpgraph import TrainStep, load_checkpoint, save_checkpoint
+from ddpgraph.testing import CpuGraphs
 
 from .step_workers import batches, make_model
 
@@ -147,3 +148,60 @@ def test_fp16_on_a_real_hf_model_matches_gradscaler_bitwise():
         assert torch.equal(a, b)
     assert float(step.loss_scale) == scaler.get_scale()
     assert step.report().skipped_steps >= 3
+
+
+SGD_KWARGS = {
+    "momentum": {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4},
+    "nesterov": {"lr": 0.1, "momentum": 0.9, "nesterov": True},
+}
+
+
+def _fused_sgd_skipped_on_the_host(params, **kwargs):
+    """torch's fused SGD, but GradScaler skips an overflowed step on the host, as for an
+    unfused optimizer: its buffers are made at the first real update (torch's semantics, the
+    fused kernel's arithmetic)."""
+    opt = torch.optim.SGD(params, fused=True, **kwargs)
+    opt._step_supports_amp_scaling = False
+    return opt
+
+
+@pytest.mark.parametrize(
+    ("sgd", "fused", "engine"),
+    [
+        ("momentum", False, "graphed"),
+        ("nesterov", False, "graphed"),
+        ("momentum", True, "graphed"),
+        ("momentum", True, "eager"),
+    ],
+)
+def test_fp16_sgd_whose_first_steps_overflow_makes_its_momentum_at_the_first_real_update(
+    sgd, fused, engine
+):
+    """fp16's first steps overflow as a rule (torchvision's train.py --amp on shufflenet: its
+    first 9). torch's fused SGD, which the graphed step uses (and a script may choose), makes its
+    momentum buffers with ``empty_like`` on a step that finds none, and a step that found_inf
+    skips leaves them so: the next real update added uninitialized memory (NaN on the H100, and
+    on the CPU: tests/test_upstream_torchvision.py's ``--amp`` runs). The step makes them zeros
+    before the first step, so the first real update's momentum is its gradient, as in torch's
+    own first step: bit for bit the fused kernel's run with the skips taken on the host."""
+    data = _data(overflow_at=(0, 1, 2, 11))
+    model = make_model()
+    kwargs = SGD_KWARGS[sgd]
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), fused=fused or None, **kwargs),
+        nn.CrossEntropyLoss(),
+        amp="fp16",
+        grad_scaler={"init_scale": 2.0**10, "growth_interval": 5},
+        engine=CpuGraphs() if engine == "graphed" else None,
+    )
+    for x, y in data:
+        step(x, y)
+    assert step.report().mode == engine
+    reference, scaler = _reference(
+        lambda p: _fused_sgd_skipped_on_the_host(p, **kwargs), data, None, 2.0**10
+    )
+    assert step.report().skipped_steps == 4
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert float(step.loss_scale) == scaler.get_scale()

@@ -25,14 +25,17 @@ ImageFolder of small JPEGs the test makes. Its CPU snags are patched outside it,
   ``torch.serialization.add_safe_globals``, as the guide says.
 - ``--sync-bn`` is not patched: torch's DDP refuses SyncBatchNorm in a CPU module
   ("SyncBatchNorm layers only work with GPU modules"), for the original and the port alike.
-- ``--amp`` is not run: on the CPU the script's ``torch.cuda.amp.GradScaler()`` disables itself
-  and ``torch.cuda.amp.autocast`` leaves CPU ops in float32 (a no-op), while the port's
-  ``amp="fp16"`` is real fp16: there is nothing the same to compare here. On a GPU
-  (``device="cuda"``: nothing of the above patched) tests/gpu/test_upstream_torchvision_gpu.py
-  compares it (written, not yet run).
+- ``--amp``: on the CPU the script's ``torch.cuda.amp.GradScaler()`` disables itself and
+  ``torch.cuda.amp.autocast`` leaves CPU ops in float32 (a no-op), while the port's
+  ``amp="fp16"`` is real fp16 on the CPU too. So under ``--amp`` the two names are the CPU's
+  own: ``torch.amp.GradScaler("cpu")`` and ``torch.autocast("cpu", dtype=torch.float16)``,
+  the same loss scaling and fp16 autocast on the CPU's kernels (the first steps overflow and
+  are skipped, as on a GPU). On a GPU (``device="cuda"``: nothing of the above patched)
+  tests/gpu/test_upstream_torchvision_gpu.py compares the script's CUDA amp.
 
-The original's optimizer is made graph-safe (``make_graph_safe``: fused SGD, capturable
-foreach AdamW / RMSprop, the LR in a tensor) where the port's TrainStep makes it, at the line
+The original's optimizer is made graph-safe (``plan_graph_safety``: fused SGD, capturable
+foreach AdamW / RMSprop, the LR in a tensor; under ``--amp`` fused AdamW and SGD's momentum
+buffers made before the first, skipped, step) where the port's TrainStep makes it, at the line
 that wraps the model (its DDP), after the scheduler was built: the graph steps that arithmetic,
 which differs from the untouched optimizer's by rounding (measured against the untouched one:
 SGD's second loss 1.6368067 vs the script's 1.6368057, AdamW's 18th apart). The port's TrainStep runs on the CPU
@@ -59,7 +62,7 @@ from typing import Any
 
 import torch
 
-from ddpgraph.step.optim import make_graph_safe
+from ddpgraph.step.optim import GraphSafeOptimizer, plan_graph_safety
 
 from .upstream import graphs_on_the_cpu_engine, ported, sha256_of
 
@@ -166,10 +169,11 @@ def run(
     sys.path.insert(0, str(Path(script).parent))  # its utils, presets, transforms, sampler
     os.chdir(base)
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "report": ""}
+    amp = "--amp" in flags
     if device == "cpu":
-        _cpu_snags(variant)
+        _cpu_snags(variant, amp)
     torch.serialization.add_safe_globals([argparse.Namespace])
-    _record(record, variant, device)
+    _record(record, variant, device, amp)
     sys.argv = [
         str(path), "--data-path", str(base / "images"), "--device", device, "--model",
         "shufflenet_v2_x0_5", "-b", "4", "--workers", "0", "--train-crop-size", "32",
@@ -186,10 +190,16 @@ def run(
     return record
 
 
-def _cpu_snags(variant: str) -> None:
+def _cpu_snags(variant: str, amp: bool) -> None:
     """The module docstring's patches, outside the script."""
     import torch.distributed as dist
     import utils
+
+    if amp:
+        torch.cuda.amp.GradScaler = lambda: torch.amp.GradScaler("cpu")  # type: ignore[assignment,misc]
+        torch.cuda.amp.autocast = lambda enabled: torch.autocast(  # type: ignore[assignment,misc]
+            "cpu", dtype=torch.float16, enabled=enabled
+        )
 
     torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
     init_process_group = dist.init_process_group
@@ -212,7 +222,7 @@ def _cpu_snags(variant: str) -> None:
         graphs_on_the_cpu_engine()
 
 
-def _record(record: dict[str, Any], variant: str, device: str) -> None:
+def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> None:
     """What the module docstring lists into ``record``; the port's step report; the original's
     DDP built without ``device_ids`` on the CPU, its optimizer made graph-safe there."""
     import utils
@@ -264,8 +274,10 @@ def _record(record: dict[str, Any], variant: str, device: str) -> None:
         ddp = torch.nn.parallel.DistributedDataParallel
 
         def wrapped(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> Any:
-            for optimizer in held["optimizers"]:  # where the port's TrainStep makes it graph-safe
-                make_graph_safe(optimizer, torch.device(device))
+            # where the port's TrainStep makes it graph-safe (a copy: the plan's probes add more)
+            for optimizer in list(held["optimizers"]):
+                plan = plan_graph_safety(optimizer, torch.device(device), fp16=amp)
+                assert isinstance(plan, GraphSafeOptimizer), plan
             if device == "cpu":
                 return ddp(module, **kwargs)  # no device_ids for a CPU module
             return ddp(module, device_ids=device_ids, **kwargs)

@@ -21,7 +21,7 @@ from .engine import GraphEngine, GraphSet
 from .feed import DataFeed
 from .finite import FiniteCheck
 from .graphs import CUDA_GRAPHS
-from .optim import graph_safety_problem, plan_graph_safety
+from .optim import graph_safety_problem, plan_graph_safety, seed_momentum_buffers, skips_on_device
 from .options import StepOptions, warn_at_user_line
 from .parallel import CaptureGate, wrap
 from .precision import Precision, precision_for
@@ -71,6 +71,8 @@ def assemble(
     report = StepReport(mode="eager", steps_per_replay=options.steps_per_replay)
     graphing = build_graphs(engine, options, device, wrapper, optimizer)
     graphs = graphing.graphs
+    if graphs is None and options.amp == "fp16" and skips_on_device(optimizer):
+        seed_momentum_buffers(optimizer)  # a user's fused SGD, eager (graphed: in the plan)
     lr_tensors = graphs.plan.lr_tensors if graphs is not None else []
     feed = DataFeed(optimizer, scheduler, lr_tensors or None, options, device)
     window = Window(options, window_ends)

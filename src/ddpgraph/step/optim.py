@@ -39,6 +39,7 @@ __all__ = [
     "make_graph_safe",
     "plan_graph_safety",
     "restore_identities",
+    "seed_momentum_buffers",
     "skips_on_device",
     "take_the_foreach_path",
     "tensor_slots",
@@ -277,7 +278,46 @@ def plan_graph_safety(
             group["fused"], group["foreach"] = True, False
         plan.changes.append("fused=True (fp16 skips overflowed steps on the device)")
     plan.described = describe_changes(optimizer, before, plan.changes, device)
+    if fp16 and seed_momentum_buffers(optimizer):
+        plan.changes.append(MOMENTUM_SEEDED)
+        plan.described += _dampened_first_update(optimizer)
     return plan
+
+
+MOMENTUM_SEEDED = "SGD momentum buffers made zeros before the first step (fp16)"
+
+
+def seed_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
+    """Give fused SGD zero momentum buffers before its first step; True where any was missing.
+
+    torch's fused SGD makes its buffers with ``empty_like`` on the step that finds none and
+    leaves them as they are when ``found_inf`` skips that step: fp16's first steps routinely
+    overflow, so the first real update would add uninitialized memory to its gradient (NaN, or
+    garbage the script never had). With zeros that first real update computes ``momentum * 0 +
+    (1 - dampening) * grad``: the ``grad`` torch's first step takes where ``dampening`` is 0 (its
+    default; the report names any other value: :func:`_dampened_first_update`).
+    """
+    seeded = False
+    for group in optimizer.param_groups:
+        if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
+            continue
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                seeded = True
+    return seeded
+
+
+def _dampened_first_update(optimizer: torch.optim.Optimizer) -> list[str]:
+    dampening = {group.get("dampening", 0) for group in optimizer.param_groups} - {0}
+    if not dampening:
+        return []
+    return [
+        f"{MOMENTUM_SEEDED}: with dampening={sorted(dampening)[0]!r} the first update's momentum "
+        "is (1 - dampening) * grad where torch's own first step takes grad undamped (a skipped "
+        "fp16 step cannot leave the choice to the host; dampening=0 makes the two equal)"
+    ]
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
