@@ -51,7 +51,9 @@ port's ``step.report()`` once the run is over. A step's time is the median inter
 consecutive updates of one epoch after the step's warm-up (updates 13 on), full batches only
 (an epoch's first update, which follows the evaluation and the loader's start, and a short last
 batch left out); steps/s is 1000 over it; ``port_vs_script`` > 1 means the port is faster. The
-report is kept as its text and parsed into numbers (``replayed`` = replays / steps).
+report is kept as its text and parsed into numbers (``replayed`` = replays / steps; a step that
+captures replays its new graph at once and counts as a replay: ``replayed_uncaptured`` leaves
+those out).
 """
 
 from __future__ import annotations
@@ -109,9 +111,10 @@ class Plan:
     init: bool = True  # run_distributed makes the group (False: the script makes its own)
 
 
-def plan_of(name: str, size: str) -> Plan:
+def plan_of(name: str, size: str, cv_model: str = "") -> Plan:
     """What ``name``'s runs are at ``size`` ("script": what its users feed, built offline;
-    "tiny": the CPU tests' sizes)."""
+    "tiny": the CPU tests' sizes); ``cv_model``: a smoke run's model for complete_cv_example in
+    place of its ResNet-50d."""
     big = size == "script"
     if name == "cv":
         from tests import upstream_cv as cv
@@ -122,9 +125,12 @@ def plan_of(name: str, size: str) -> Plan:
             "upstream_cv", cv.FOLDER, (cv.NAME,), "original", "port",
             {"fp32": ["--mixed_precision", "no"], "amp": ["--mixed_precision", "bf16"]},
             per_epoch=math.ceil(train / 64), last_short=train % 64 != 0,
-            sizes={"model": "resnet50d (the script's)", "image": 224, "batch": 64,
+            sizes={"model": cv_model or "resnet50d (the script's)", "image": 224, "batch": 64,
                    "train_images": train, "epochs": 3},
-            args=lambda base, script, variant, flags, device: (base, script, variant, flags),
+            args=lambda base, script, variant, flags, device: (
+                base, script, variant, [*flags, "--cpu"] if device == "cpu" else flags, device,
+                cv_model,
+            ),
             make=lambda base: cv.make_images(Path(base) / "images", images),
         )  # fmt: skip
     if name == "glue":
@@ -263,8 +269,10 @@ def step_ms(
 
 def parse_report(text: str) -> dict[str, Any]:
     """``str(step.report())`` as numbers: its first line's ``key=value`` pairs (steps, eager,
-    replays, warm-up...), the captures, re-captures and fallbacks counted, and the replayed
-    fraction of the step's calls."""
+    replays, warm-up...), the captures, re-captures and fallbacks counted, the replayed fraction
+    of the step's calls (``replayed``), and the fraction replayed from an earlier capture
+    (``replayed_uncaptured``: a step that captures replays its new graph at once, which the
+    report counts as a replay too)."""
     if not text:
         return {}
     head, *rest = text.splitlines()
@@ -273,10 +281,13 @@ def parse_report(text: str) -> dict[str, Any]:
         key = key.strip()
         found[key] = int(value) if value.isdigit() else value
     found["captures"] = sum(line.startswith("captured ") for line in rest)
+    trained = sum(line.startswith("captured train ") for line in rest)
     found["recaptures"] = sum(line.startswith("re-captured: ") for line in rest)
     found["fallbacks"] = sum(line.startswith("fallback: ") for line in rest)
     steps, replays = found.get("steps"), found.get("replays")
-    found["replayed"] = replays / steps if isinstance(steps, int) and steps else None
+    counted = isinstance(steps, int) and steps and isinstance(replays, int)
+    found["replayed"] = replays / steps if counted else None
+    found["replayed_uncaptured"] = (replays - trained) / steps if counted else None
     return found
 
 
@@ -299,11 +310,13 @@ def time_one(
     return found
 
 
-def run_script(name: str, precisions: list[str], size: str, device: str) -> dict[str, Any]:
+def run_script(
+    name: str, precisions: list[str], size: str, device: str, cv_model: str = ""
+) -> dict[str, Any]:
     """Every precision of ``name``: the script as written and its port, timed."""
     from tests import upstream
 
-    plan = plan_of(name, size)
+    plan = plan_of(name, size, cv_model)
     script = str(upstream.script(plan.folder, plan.files[0]))
     for file in plan.files[1:]:
         upstream.script(plan.folder, file)  # its SHA-256 checked too
@@ -350,6 +363,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of every part but the GPU (gloo, CpuGraphs)")  # fmt: skip
     parser.add_argument("--out", default=None, help="the JSON to write")
+    parser.add_argument("--cv-model", default="", help=argparse.SUPPRESS)  # a CPU smoke run's
     opts = parser.parse_args(argv)
     import torch
 
@@ -359,6 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not value or set(value) - set(known):
             parser.error(f"{what} {','.join(value)!r}: choose among {','.join(known)}")
     size = opts.size or ("script" if opts.device == "cuda" else "tiny")
+    if opts.cv_model and opts.device != "cpu":
+        parser.error("--cv-model is for a smoke run on the CPU: the GPU times the script's model")
     if opts.device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: this benchmark times the scripts on a GPU (--device cpu "
                      "smoke-tests it)")  # fmt: skip
@@ -379,11 +395,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "scripts": results,
     }  # fmt: skip
     for name in names:
-        if name == "cv" and opts.device == "cpu":
+        if name == "cv" and opts.device == "cpu" and not opts.cv_model:
             results[name] = {"skipped": "its main() fixes ResNet-50d at 224 px, batches of 64: "
-                             "too heavy for the CPU"}  # fmt: skip
+                             "too heavy for the CPU (--cv-model NAME builds another)"}  # fmt: skip
         else:
-            results[name] = run_script(name, precisions, size, opts.device)
+            results[name] = run_script(name, precisions, size, opts.device, opts.cv_model)
         if opts.out:  # after each script: a run cut short still leaves what it measured
             Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -80,6 +80,7 @@ def test_parse_report_reads_a_real_steps_report():
     )  # fmt: skip
     found = _bench().parse_report(str(more))
     assert (found["captures"], found["recaptures"], found["fallbacks"]) == (2, 1, 1)
+    assert found["replayed_uncaptured"] == pytest.approx((found["replays"] - 2) / 20)
     assert found["skipped (fp16 overflow)"] == 3 and found["steps"] == 20
     assert _bench().parse_report("") == {}
 
@@ -90,6 +91,7 @@ def test_the_command_refuses_what_it_cannot_run(capsys):
         (["--device", "cpu", "--scripts", "glue,bert"], "--scripts 'glue,bert'"),
         (["--device", "cpu", "--precisions", "fp16"], "--precisions 'fp16'"),
         (["--device", "cpu", "--size", "script"], "--size tiny"),
+        (["--cv-model", "test_resnet"], "--cv-model is for a smoke run on the CPU"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)

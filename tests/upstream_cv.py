@@ -27,6 +27,7 @@ from .upstream import (
     PREPARE_ALL,
     PREPARE_THE_REST,
     final_report,
+    graphs_on_the_cpu_engine,
     loader_workers_allowed,
     ported,
     record_step_losses,
@@ -83,12 +84,21 @@ def make_images(folder: Path, count: int = IMAGES) -> None:
 
 
 def run(
-    folder: str, script: str, variant: str, flags: list[str], keep: str = "all"
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    device: str = "cuda",
+    model: str = "",
+    keep: str = "all",
 ) -> dict[str, Any]:
     """The script ("graph_safe": its Adam made graph-safe at ``accelerator.prepare`` as the
     port's TrainStep makes it, outside the script; "original": untouched) or its port ("port"),
     with ``flags``, on this process's GPU; what it recorded (``keep="times"``: only a
-    timestamp after each update and the port's final report, for benchmarks/upstream_ports.py)."""
+    timestamp after each update and the port's final report, for benchmarks/upstream_ports.py).
+    ``device="cpu"`` (``flags`` then hold the script's ``--cpu``) and ``model``, a timm model
+    built in place of the script's ResNet-50d, are for a smoke run on the CPU only: the port on
+    ``CpuGraphs``."""
     import timm
 
     base = Path(folder)
@@ -110,21 +120,23 @@ def run(
     create_model = timm.create_model
 
     def created(name: str, pretrained: bool = False, **kwargs: Any) -> Any:
-        model = create_model(name, pretrained=False, **kwargs)  # no hub here
+        built = create_model(model or name, pretrained=False, **kwargs)  # no hub here
 
         def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
             if not module.training:
                 record["logits"].append(output.detach().float().cpu())
 
         if keep != "times":
-            model.register_forward_hook(hook)
-        return model
+            built.register_forward_hook(hook)
+        return built
 
     timm.create_model = created  # the script imports it by name after this
     if variant == "port" and keep != "times":
         record_step_losses(record)
     elif variant != "port":
-        _graph_safe_original(record, variant == "graph_safe", keep != "times")
+        _graph_safe_original(record, variant == "graph_safe", keep != "times", device)
+    if device == "cpu" and variant == "port":
+        graphs_on_the_cpu_engine()
     loader_workers_allowed()  # the script's DataLoaders start 4 workers each (num_workers=4)
     out = base / f"out_{variant}"
     sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
@@ -140,7 +152,9 @@ def run(
     return record
 
 
-def _graph_safe_original(record: dict[str, Any], graph_safe: bool, losses: bool) -> None:
+def _graph_safe_original(
+    record: dict[str, Any], graph_safe: bool, losses: bool, device: str = "cuda"
+) -> None:
     """The script's Adam made graph-safe where the port's TrainStep makes it (``graph_safe``),
     and each loss it backpropagates recorded (``losses``)."""
     from accelerate import Accelerator
@@ -152,7 +166,7 @@ def _graph_safe_original(record: dict[str, Any], graph_safe: bool, losses: bool)
     def prepared(self: Any, *objects: Any, **kwargs: Any) -> Any:
         for item in objects:
             if isinstance(item, torch.optim.Optimizer):
-                make_graph_safe(item, torch.device("cuda"))
+                make_graph_safe(item, torch.device(device))
         return prepare(self, *objects, **kwargs)
 
     def backward_recorded(self: Any, loss: torch.Tensor, **kwargs: Any) -> Any:
