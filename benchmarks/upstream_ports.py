@@ -11,8 +11,8 @@ and name it in ``$DDPGRAPH_UPSTREAM``; the wheels ``benchmarks/gpu_wheels.sh`` f
         python3 benchmarks/upstream_ports.py --out benchmarks/results/upstream-ports-h100.json
 
 About 20 runs of 10 to 30 s each, sized for the device's 10 minutes on an H100 (not measured);
-the JSON is written after each script, so a run cut short keeps what it measured, and a run
-that fails keeps its error in the JSON while the others go on.
+the JSON is written after each script's precision, so a command cut short keeps what it
+measured, and a run that fails keeps its error in the JSON while the others go on.
 
 Written, not yet run on a GPU (the helper that wrote it had no device). On the CPU
 (``--device cpu --size tiny``: gloo, the ports on ``CpuGraphs``; tests/test_upstream_ports.py)
@@ -311,16 +311,24 @@ def time_one(
 
 
 def run_script(
-    name: str, precisions: list[str], size: str, device: str, cv_model: str = ""
+    name: str,
+    precisions: list[str],
+    size: str,
+    device: str,
+    cv_model: str = "",
+    result: dict[str, Any] | None = None,
+    save: Callable[[], None] = lambda: None,
 ) -> dict[str, Any]:
-    """Every precision of ``name``: the script as written and its port, timed."""
+    """Every precision of ``name``: the script as written and its port, timed, into ``result``
+    (``save()`` after each precision)."""
     from tests import upstream
 
     plan = plan_of(name, size, cv_model)
     script = str(upstream.script(plan.folder, plan.files[0]))
     for file in plan.files[1:]:
         upstream.script(plan.folder, file)  # its SHA-256 checked too
-    result: dict[str, Any] = {
+    result = {} if result is None else result
+    result |= {
         "script": f"{plan.folder}/{plan.files[0]}",
         "timed": {"script": plan.script_variant, "port": plan.port_variant},
         "sizes": plan.sizes,
@@ -347,6 +355,7 @@ def run_script(
             ours, theirs = runs["port"]["median_ms"], runs["script"]["median_ms"]
             runs["port_vs_script"] = theirs / ours if ours and theirs else None
             result[precision] = runs
+            save()
             print(name, precision, {r: runs[r]["median_ms"] for r in ("script", "port")},
                   "replayed", runs["report"].get("replayed"), flush=True)  # fmt: skip
     return result
@@ -394,14 +403,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "world_size": 1,
         "scripts": results,
     }  # fmt: skip
+
+    def save() -> None:  # after each precision: a command cut short keeps what it measured
+        if opts.out:
+            Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")
+
     for name in names:
         if name == "cv" and opts.device == "cpu" and not opts.cv_model:
             results[name] = {"skipped": "its main() fixes ResNet-50d at 224 px, batches of 64: "
                              "too heavy for the CPU (--cv-model NAME builds another)"}  # fmt: skip
         else:
-            results[name] = run_script(name, precisions, size, opts.device, opts.cv_model)
-        if opts.out:  # after each script: a run cut short still leaves what it measured
-            Path(opts.out).write_text(json.dumps(result, indent=2) + "\n")
+            results[name] = {}
+            run_script(name, precisions, size, opts.device, opts.cv_model, results[name], save)
+    save()
     return result
 
 

@@ -131,3 +131,29 @@ def test_the_command_times_the_scripts_and_their_ports_on_the_cpu(tmp_path):
         assert runs["port_vs_script"] == pytest.approx(
             runs["script"]["median_ms"] / runs["port"]["median_ms"]
         )
+
+
+def test_a_failed_run_is_kept_and_the_others_still_run(tmp_path, monkeypatch):
+    """A run that raises (as torchvision's --amp port may on the GPU) leaves its error in the
+    JSON, written after each precision; the script's own run is still timed."""
+    pytest.importorskip("torchvision")
+    upstream.script("torchvision_classification", "train.py")  # skips without ../shared
+    bench = _bench()
+    saved = []
+
+    def time_one(plan, base, script, variant, flags, device):
+        if variant == "port":
+            raise RuntimeError("the port failed")
+        return {"times": [0.01 * n for n in range(28)], "printed": [], "report": ""}
+
+    monkeypatch.setattr(bench, "time_one", time_one)
+    result: dict = {}
+    bench.run_script("torchvision", ["fp32", "amp"], "tiny", "cpu", "", result,
+                     lambda: saved.append(json.dumps(result)))  # fmt: skip
+    assert len(saved) == 2 and json.loads(saved[0]).keys() >= {"fp32", "timed"}
+    for precision in ("fp32", "amp"):
+        runs = result[precision]
+        assert runs["port"]["error"] == "RuntimeError: the port failed"
+        assert runs["port"]["median_ms"] is None and runs["port_vs_script"] is None
+        assert runs["script"]["median_ms"] == pytest.approx(10.0)
+        assert runs["script"]["intervals"] == 12 and runs["report"] == {}
