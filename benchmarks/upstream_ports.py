@@ -382,6 +382,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not value or set(value) - set(known):
             parser.error(f"{what} {','.join(value)!r}: choose among {','.join(known)}")
     size = opts.size or ("script" if opts.device == "cuda" else "tiny")
+    from tests import upstream
+
+    if not upstream.UPSTREAM.is_dir():
+        parser.error(f"no pinned scripts at {upstream.UPSTREAM}: ../shared/upstream beside the "
+                     "checkout, or a copy named in $DDPGRAPH_UPSTREAM")  # fmt: skip
     if opts.cv_model and opts.device != "cpu":
         parser.error("--cv-model is for a smoke run on the CPU: the GPU times the script's model")
     if opts.device == "cuda" and not torch.cuda.is_available():

@@ -85,7 +85,7 @@ def test_parse_report_reads_a_real_steps_report():
     assert _bench().parse_report("") == {}
 
 
-def test_the_command_refuses_what_it_cannot_run(capsys):
+def test_the_command_refuses_what_it_cannot_run(capsys, monkeypatch):
     bench = _bench()
     for argv, said in (
         (["--device", "cpu", "--scripts", "glue,bert"], "--scripts 'glue,bert'"),
@@ -96,6 +96,11 @@ def test_the_command_refuses_what_it_cannot_run(capsys):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert said in capsys.readouterr().err
+    monkeypatch.setattr(upstream, "UPSTREAM", Path("/nonexistent/upstream"))
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu"])
+    assert "no pinned scripts at /nonexistent/upstream" in capsys.readouterr().err
+    monkeypatch.undo()
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             bench.main(["--scripts", "glue"])
