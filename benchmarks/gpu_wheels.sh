@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 wheels=(
   msgspec==0.23.0              # core dependency of ddpgraph (the object codec)
   trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19   # TRL's trainers
+  evaluate==0.4.6              # run_glue_no_trainer.py's metric (benchmarks/upstream_ports.py)
   jsonargparse==4.53.0 docstring-parser==0.18.0 typeshed-client==2.15.0   # LightningCLI
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -46,7 +46,7 @@ def ported(text: str, edits: list[tuple[str, str]]) -> str:
     return text
 
 
-def graph_safe_at_prepare() -> None:
+def graph_safe_at_prepare(device: str = "cpu") -> None:
     """Make the optimizer a script passes to ``accelerator.prepare`` graph-safe there (outside
     the script), where the port's TrainStep makes it (after the script built its scheduler): the
     script's run then steps the arithmetic the graph steps (capturable, foreach, the LR in a
@@ -61,16 +61,16 @@ def graph_safe_at_prepare() -> None:
     def prepared(self: object, *objects: object, **kwargs: object) -> object:
         for item in objects:
             if isinstance(item, torch.optim.Optimizer):
-                make_graph_safe(item, torch.device("cpu"))
+                make_graph_safe(item, torch.device(device))
         return prepare(self, *objects, **kwargs)
 
     Accelerator.prepare = prepared  # type: ignore[method-assign]
 
 
-def ready_to_run(base: Path, path: Path, text: str) -> None:
+def ready_to_run(base: Path, path: Path, text: str, device: str = "cpu") -> None:
     """On every rank: ``text`` (the script, or its port) written to ``path`` by rank 0, the
-    working directory ``base``, no hub (offline), and Accelerate on the CPU (the README's snag:
-    else accelerate wants a GPU)."""
+    working directory ``base``, no hub (offline), and on the CPU Accelerate there (the README's
+    snag: else accelerate wants a GPU)."""
     import os
 
     import torch.distributed as dist
@@ -81,7 +81,8 @@ def ready_to_run(base: Path, path: Path, text: str) -> None:
     os.chdir(base)
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"
-    os.environ["ACCELERATE_USE_CPU"] = "true"
+    if device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"
 
 
 def record_updates(record: dict[str, Any]) -> None:
@@ -145,6 +146,71 @@ def graphs_on_the_cpu_engine() -> None:
         return build(engine or CpuGraphs(), *args)
 
     assembly.build_graphs = build_graphs  # type: ignore[assignment]
+
+
+def stamp_updates(
+    record: dict[str, Any], owner: Any, name: str, after: Any = lambda *args, **kwargs: True
+) -> None:
+    """In place of the recording (what benchmarks/upstream_ports.py times): after each call of
+    ``owner.name`` for which ``after(self, *args, **kwargs)`` holds (the script's update point)
+    a host timestamp behind a device sync into ``record["times"]``, and nothing else; the
+    TrainStep a port calls kept, for :func:`final_report`."""
+    import time
+
+    import ddpgraph
+
+    method = getattr(owner, name)
+
+    def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = method(self, *args, **kwargs)
+        if after(self, *args, **kwargs):
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+            record.setdefault("times", []).append(time.perf_counter())
+        return result
+
+    setattr(owner, name, stamped)
+    call = ddpgraph.TrainStep.__call__
+
+    def kept(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _STEPS[:] = [self]
+        return call(self, *args, **kwargs)
+
+    ddpgraph.TrainStep.__call__ = kept  # type: ignore[method-assign]
+
+
+_STEPS: list[Any] = []  # the TrainStep a timed port called last (stamp_updates)
+
+
+def final_report() -> str:
+    """``str(step.report())`` of the TrainStep a timed port called (empty for the script)."""
+    return str(_STEPS[-1].report()) if _STEPS else ""
+
+
+def loader_workers_allowed() -> None:
+    """Let a script's DataLoader start worker processes from a ``run_distributed`` rank, as
+    from a torchrun rank."""
+    import multiprocessing
+
+    # run_distributed's workers are daemonic processes, which multiprocessing allows no children,
+    # and the script's DataLoaders start workers (e.g. num_workers=4), as under a launcher, where
+    # the rank is no daemon (on the H100 at c4107d2: "daemonic processes are not allowed to have
+    # children" at the first batch)
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    # and they start with the default method, fork, as from a torchrun rank; run_distributed's
+    # forkserver made itself the default here, and a forkserver worker imports torch, timm and
+    # Accelerate anew at each epoch's loader (on the H100 a run took 79 s instead of 13)
+    multiprocessing.set_start_method("fork", force=True)
+
+
+def timed_run(module: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``tests.<module>.run(*args, **kwargs, keep="times")`` on this rank (the worker of
+    benchmarks/upstream_ports.py): its timestamps, the lines it printed, the port's report."""
+    import importlib
+
+    worker = importlib.import_module(f"tests.{module}")
+    record = worker.run(*args, **kwargs, keep="times")
+    return {key: record.get(key) for key in ("times", "printed", "report")}
 
 
 def sha256_of(tensor: torch.Tensor) -> torch.Tensor:

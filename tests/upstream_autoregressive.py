@@ -37,12 +37,14 @@ import torch
 from .upstream import (
     PREPARE_ALL,
     PREPARE_THE_REST,
+    final_report,
     graph_safe_at_prepare,
     graphs_on_the_cpu_engine,
     ported,
     ready_to_run,
     record_step_losses,
     record_updates,
+    stamp_updates,
 )
 
 FOLDER = "accelerate_gradient_accumulation_autoregressive"
@@ -96,19 +98,21 @@ PORT = [
 ]
 
 
-def _texts() -> list[str]:
-    """500 rows: a text every 4th row (9 words on even texts, 3 to 8 on odd ones), else empty."""
+def _texts(length: int = 9) -> list[str]:
+    """500 rows: a text every 4th row (``length`` words on even texts, 3 to ``length`` - 1 on
+    odd ones), else empty."""
     gen = torch.Generator().manual_seed(5)
     rows = [""] * TRAIN_ROWS
     for i in range(KEPT):
-        n = 9 if i % 2 == 0 else 3 + int(torch.randint(6, (), generator=gen))
+        n = length if i % 2 == 0 else 3 + int(torch.randint(length - 3, (), generator=gen))
         words = [_WORDS[int(w)] for w in torch.randint(len(_WORDS), (n,), generator=gen)]
         rows[i * 4] = " ".join(words)
     return rows
 
 
-def make_inputs(folder: Path) -> None:
-    """The hub cache with the tiny model and tokenizer under the script's name, and the data."""
+def make_inputs(folder: Path, config: dict[str, Any] | None = None, length: int = 9) -> None:
+    """The hub cache with the tiny model (or one of ``config``'s sizes, random weights) and
+    tokenizer under the script's name, and the data (even texts of ``length`` words)."""
     import json
 
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -123,51 +127,72 @@ def make_inputs(folder: Path) -> None:
     vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<unk>", *_WORDS])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>", model_max_length=32
-    ).save_pretrained(snapshot)
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    sizes = config or dict(
         vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-        tie_word_embeddings=True,
     )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(snapshot)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", unk_token="<unk>",
+        model_max_length=sizes["max_position_embeddings"],
+    ).save_pretrained(snapshot)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**sizes, tie_word_embeddings=True)).save_pretrained(snapshot)
     data = folder / "wikitext"
     data.mkdir()
-    for name, rows in (("train", _texts()), ("validation", _texts()[:200])):
+    for name, rows in (("train", _texts(length)), ("validation", _texts(length)[:200])):
         lines = [json.dumps({"text": text}) for text in rows]
         (data / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
 
 
 def run(
-    folder: str, script: str, variant: str, k: int, flags: tuple[str, ...] = ()
+    folder: str,
+    script: str,
+    variant: str,
+    k: int,
+    flags: tuple[str, ...] = (),
+    device: str = "cpu",
+    keep: str = "all",
 ) -> dict[str, Any]:
     """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
     as the port's is, outside the script) or of its port ("port") at
-    ``--gradient_accumulation_steps k`` and the script's other ``flags``; what it recorded."""
+    ``--gradient_accumulation_steps k`` and the script's other ``flags``; what it recorded. On
+    ``device`` "cuda" Accelerate takes this rank's GPU and the port real CUDA graphs (on the
+    CPU: Accelerate there, the port on ``CpuGraphs``); ``keep="times"``: only a timestamp after
+    each update and the port's final report (benchmarks/upstream_ports.py)."""
     base = Path(folder)
     text = Path(script).read_text(encoding="utf-8")
     if variant == "port":
         text = ported(text, PORT)
     name = "_".join([variant, str(k), *(flag.lstrip("-") for flag in flags)])
     path = base / f"{name}_{NAME}"
-    ready_to_run(base, path, text)
+    ready_to_run(base, path, text, device)
     os.environ["HF_HUB_CACHE"] = str(base / "hub")  # the script's model name is found here
     os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / name)
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": []}
-    _record(record, base / "wikitext", variant == "port", variant == "graph_safe")
+    if keep == "times":
+        from accelerate.scheduler import AcceleratedScheduler
+
+        _local_wikitext(base / "wikitext")
+        stamp_updates(record, AcceleratedScheduler, "step")
+        if variant == "graph_safe":
+            graph_safe_at_prepare(device)
+    else:
+        _record(record, base / "wikitext", variant == "port", variant == "graph_safe", device)
+    if variant == "port" and device == "cpu":
+        graphs_on_the_cpu_engine()
     sys.argv = [str(path), "--gradient_accumulation_steps", str(k), *flags]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         runpy.run_path(str(path), run_name="__main__")
     record["printed"] = printed.getvalue().splitlines()
+    if keep == "times":
+        record["report"] = final_report()
     return record
 
 
-def _record(record: dict[str, Any], data: Path, port: bool, graph_safe: bool) -> None:
+def _local_wikitext(data: Path) -> None:
+    """The script's ``load_dataset`` of wikitext redirected to the local files in ``data``."""
     import datasets
-    from transformers import AutoModelForCausalLM
 
     load_dataset = datasets.load_dataset
 
@@ -178,6 +203,12 @@ def _record(record: dict[str, Any], data: Path, port: bool, graph_safe: bool) ->
         return load_dataset("json", data_files=files, **kwargs)
 
     datasets.load_dataset = local_wikitext  # the script imports it by name after this
+
+
+def _record(record: dict[str, Any], data: Path, port: bool, graph_safe: bool, device: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _local_wikitext(data)
     record_updates(record)
     loading = AutoModelForCausalLM.from_pretrained
 
@@ -194,12 +225,11 @@ def _record(record: dict[str, Any], data: Path, port: bool, graph_safe: bool) ->
     AutoModelForCausalLM.from_pretrained = from_pretrained  # type: ignore[method-assign]
     if port:
         record_step_losses(record)
-        graphs_on_the_cpu_engine()
     else:
         from accelerate import Accelerator
 
         if graph_safe:
-            graph_safe_at_prepare()
+            graph_safe_at_prepare(device)
         backward = Accelerator.backward
 
         def backward_recorded(self: Any, loss: torch.Tensor, **kwargs: Any) -> Any:

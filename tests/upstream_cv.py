@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import multiprocessing
 import os
 import runpy
 import sys
@@ -27,10 +26,14 @@ import torch
 from .upstream import (
     PREPARE_ALL,
     PREPARE_THE_REST,
+    final_report,
+    graphs_on_the_cpu_engine,
+    loader_workers_allowed,
     ported,
     record_step_losses,
     record_updates,
     sha256_of,
+    stamp_updates,
 )
 
 FOLDER, NAME = "accelerate_complete_cv_example", "complete_cv_example.py"
@@ -66,13 +69,13 @@ PORT = [
 ]
 
 
-def make_images(folder: Path) -> None:
-    """``IMAGES`` small JPEGs of two labels, each label's images brighter in one channel."""
+def make_images(folder: Path, count: int = IMAGES) -> None:
+    """``count`` small JPEGs of two labels, each label's images brighter in one channel."""
     from PIL import Image
 
     folder.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    for n in range(IMAGES):
+    for n in range(count):
         label = n % 2
         pixels = torch.randint(0, 160, (48, 48, 3), generator=gen, dtype=torch.uint8)
         pixels[..., label] += 90
@@ -80,10 +83,22 @@ def make_images(folder: Path) -> None:
         Image.fromarray(pixels.numpy()).save(folder / f"{name}_{n}.jpg")
 
 
-def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, Any]:
+def run(
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    device: str = "cuda",
+    model: str = "",
+    keep: str = "all",
+) -> dict[str, Any]:
     """The script ("graph_safe": its Adam made graph-safe at ``accelerator.prepare`` as the
-    port's TrainStep makes it, outside the script) or its port ("port"), with ``flags``, on
-    this process's GPU; what it recorded."""
+    port's TrainStep makes it, outside the script; "original": untouched) or its port ("port"),
+    with ``flags``, on this process's GPU; what it recorded (``keep="times"``: only a
+    timestamp after each update and the port's final report, for benchmarks/upstream_ports.py).
+    ``device="cpu"`` (``flags`` then hold the script's ``--cpu``) and ``model``, a timm model
+    built in place of the script's ResNet-50d, are for a smoke run on the CPU only: the port on
+    ``CpuGraphs``."""
     import timm
 
     base = Path(folder)
@@ -96,33 +111,33 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ[key] = "1"
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": []}
-    record_updates(record)
+    if keep == "times":
+        from accelerate.scheduler import AcceleratedScheduler
+
+        stamp_updates(record, AcceleratedScheduler, "step")
+    else:
+        record_updates(record)
     create_model = timm.create_model
 
     def created(name: str, pretrained: bool = False, **kwargs: Any) -> Any:
-        model = create_model(name, pretrained=False, **kwargs)  # no hub here
+        built = create_model(model or name, pretrained=False, **kwargs)  # no hub here
 
         def hook(module: Any, inputs: Any, output: torch.Tensor) -> None:
             if not module.training:
                 record["logits"].append(output.detach().float().cpu())
 
-        model.register_forward_hook(hook)
-        return model
+        if keep != "times":
+            built.register_forward_hook(hook)
+        return built
 
     timm.create_model = created  # the script imports it by name after this
-    if variant == "port":
+    if variant == "port" and keep != "times":
         record_step_losses(record)
-    else:
-        _graph_safe_original(record)
-    # run_distributed's workers are daemonic processes, which multiprocessing allows no children,
-    # and the script's DataLoaders start 4 workers each (num_workers=4), as under accelerate
-    # launch, where the rank is no daemon (on the H100 at c4107d2: "daemonic processes are not
-    # allowed to have children" at the first batch)
-    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-    # and they start with the default method, fork, as from a torchrun rank; run_distributed's
-    # forkserver made itself the default here, and a forkserver worker imports torch, timm and
-    # Accelerate anew at each epoch's loader (on the H100 a run took 79 s instead of 13)
-    multiprocessing.set_start_method("fork", force=True)
+    elif variant != "port":
+        _graph_safe_original(record, variant == "graph_safe", keep != "times", device)
+    if device == "cpu" and variant == "port":
+        graphs_on_the_cpu_engine()
+    loader_workers_allowed()  # the script's DataLoaders start 4 workers each (num_workers=4)
     out = base / f"out_{variant}"
     sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
     printed = io.StringIO()
@@ -133,13 +148,15 @@ def run(folder: str, script: str, variant: str, flags: list[str]) -> dict[str, A
     # every parameter after each of the 21 updates is ~2 GB of ResNet-50d: its SHA-256 compares
     # as exactly and travels back from the worker in kilobytes
     record["updates"] = [[sha256_of(t) for t in update] for update in record["updates"]]
-    record["report"] = record.get("report", "")
+    record["report"] = final_report() if keep == "times" else record.get("report", "")
     return record
 
 
-def _graph_safe_original(record: dict[str, Any]) -> None:
-    """The script's Adam made graph-safe where the port's TrainStep makes it, and each loss it
-    backpropagates recorded."""
+def _graph_safe_original(
+    record: dict[str, Any], graph_safe: bool, losses: bool, device: str = "cuda"
+) -> None:
+    """The script's Adam made graph-safe where the port's TrainStep makes it (``graph_safe``),
+    and each loss it backpropagates recorded (``losses``)."""
     from accelerate import Accelerator
 
     from ddpgraph.step.optim import make_graph_safe
@@ -149,12 +166,14 @@ def _graph_safe_original(record: dict[str, Any]) -> None:
     def prepared(self: Any, *objects: Any, **kwargs: Any) -> Any:
         for item in objects:
             if isinstance(item, torch.optim.Optimizer):
-                make_graph_safe(item, torch.device("cuda"))
+                make_graph_safe(item, torch.device(device))
         return prepare(self, *objects, **kwargs)
 
     def backward_recorded(self: Any, loss: torch.Tensor, **kwargs: Any) -> Any:
         record["losses"].append(loss.detach().clone())
         return backward(self, loss, **kwargs)
 
-    Accelerator.prepare = prepared  # type: ignore[method-assign]
-    Accelerator.backward = backward_recorded  # type: ignore[method-assign]
+    if graph_safe:
+        Accelerator.prepare = prepared  # type: ignore[method-assign]
+    if losses:
+        Accelerator.backward = backward_recorded  # type: ignore[method-assign]

@@ -28,12 +28,14 @@ from .framework_workers import tensors_of
 from .upstream import (
     PREPARE_ALL,
     PREPARE_THE_REST,
+    final_report,
     graph_safe_at_prepare,
     graphs_on_the_cpu_engine,
     ported,
     ready_to_run,
     record_step_losses,
     record_updates,
+    stamp_updates,
 )
 
 FOLDER, NAME = "transformers_run_glue_no_trainer", "run_glue_no_trainer.py"
@@ -122,9 +124,15 @@ FIRST_DIFF_PORT = [
 ]
 
 
-def make_inputs(folder: Path, varied: bool = False) -> None:
-    """The tiny model, tokenizer, data and metric the script reads (no hub): sentences of 5
-    words, or (``varied``) of 2 to 8, so that dynamic padding gives batches of several lengths."""
+def make_inputs(
+    folder: Path,
+    varied: bool = False,
+    config: dict[str, int] | None = None,
+    rows: tuple[int, int] = (ROWS, EVAL_ROWS),
+) -> None:
+    """The tiny model (or one of ``config``'s sizes, random weights), tokenizer, data (``rows``
+    to train and to validate) and metric the script reads (no hub): sentences of 5 words, or
+    (``varied``) of 2 to 8, so that dynamic padding gives batches of several lengths."""
     from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 
     model_dir = folder / "model"
@@ -133,15 +141,15 @@ def make_inputs(folder: Path, varied: bool = False) -> None:
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]) + "\n")
     BertTokenizer(str(vocab)).save_pretrained(model_dir)
     torch.manual_seed(0)
-    config = BertConfig(
+    sizes = config or dict(
         vocab_size=len(_WORDS) + 5, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32, num_labels=2,
+        intermediate_size=32, max_position_embeddings=32,
     )  # fmt: skip
-    BertForSequenceClassification(config).save_pretrained(model_dir)
+    BertForSequenceClassification(BertConfig(**sizes, num_labels=2)).save_pretrained(model_dir)
     gen = torch.Generator().manual_seed(3)
-    for name, rows in (("train.csv", ROWS), ("validation.csv", EVAL_ROWS)):
+    for name, count in zip(("train.csv", "validation.csv"), rows):
         lines = ["sentence,label"]
-        for _ in range(rows):
+        for _ in range(count):
             n = 2 + int(torch.randint(7, (), generator=gen)) if varied else 5
             words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (n,), generator=gen)]
             lines.append(f"{' '.join(words)},{int(sum(_WORDS.index(w) < 5 for w in words) > 2)}")
@@ -158,6 +166,8 @@ def run(
     precision: str = "no",
     out: str = "",
     pad: bool = True,
+    device: str = "cpu",
+    keep: str = "all",
 ) -> dict[str, Any]:
     """One rank of the script (``variant`` "original"; "graph_safe": its AdamW made graph-safe
     at ``accelerator.prepare``, outside the script), or of its port ("hand" or "first_diff"),
@@ -165,7 +175,9 @@ def run(
     flag of its own: its ``Accelerator()`` reads what the launcher exports), writing into
     ``folder/out`` (``folder/variant`` by default), every batch padded to 12 tokens (``pad``,
     ``--pad_to_max_length``) or to its longest sentence (the script's default); what it
-    recorded."""
+    recorded. On ``device`` "cuda" Accelerate takes this rank's GPU and the port real CUDA
+    graphs (on the CPU: Accelerate there, the port on ``CpuGraphs``); ``keep="times"``: only a
+    timestamp after each update and the port's final report (benchmarks/upstream_ports.py)."""
     base = Path(folder)
     output_dir = base / (out or variant)
     os.environ["ACCELERATE_MIXED_PRECISION"] = precision  # as accelerate launch exports it
@@ -173,7 +185,7 @@ def run(
     if variant in ("hand", "first_diff"):
         text = ported(text, HAND_PORT if variant == "hand" else FIRST_DIFF_PORT)
     path = base / f"{variant}_{NAME}"
-    ready_to_run(base, path, text)
+    ready_to_run(base, path, text, device)
     os.environ["HF_DATASETS_CACHE"] = str(base / "cache" / variant)
     os.environ["HF_MODULES_CACHE"] = str(base / "modules")
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "logits": [], "metrics": []}
@@ -181,9 +193,17 @@ def run(
     # the port's losses are train_step's returns; not for the refused first diff, whose error
     # names the line that called the step (the script's, not a wrapper's)
     script = variant in ("original", "graph_safe")
-    _record(record, training_losses=script, step_losses=variant == "hand")
+    if keep == "times":
+        from accelerate.scheduler import AcceleratedScheduler
+
+        stamp_updates(record, AcceleratedScheduler, "step")
+        logging.getLogger("__main__").addHandler(_Printed(record["printed"]))
+    else:
+        _record(record, training_losses=script, step_losses=variant == "hand")
+    if device == "cpu":
+        graphs_on_the_cpu_engine()
     if variant == "graph_safe":
-        graph_safe_at_prepare()
+        graph_safe_at_prepare(device)
     sys.argv = [
         str(path), "--model_name_or_path", "model", "--train_file", "train.csv",
         "--validation_file", "validation.csv", "--per_device_train_batch_size", "4",
@@ -193,6 +213,8 @@ def run(
     if pad:
         sys.argv.append("--pad_to_max_length")
     runpy.run_path(str(path), run_name="__main__")
+    if keep == "times":
+        record["report"] = final_report()
     return record
 
 
@@ -227,7 +249,6 @@ def _record(record: dict[str, Any], training_losses: bool, step_losses: bool) ->
     evaluate.EvaluationModule.compute = computed  # type: ignore[method-assign]
     if step_losses:
         record_step_losses(record)
-    graphs_on_the_cpu_engine()
     logging.getLogger("__main__").addHandler(_Printed(record["printed"]))
 
 

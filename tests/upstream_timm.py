@@ -41,7 +41,14 @@ from typing import Any
 
 import torch
 
-from .upstream import graphs_on_the_cpu_engine, ported, record_step_losses
+from .upstream import (
+    final_report,
+    graphs_on_the_cpu_engine,
+    loader_workers_allowed,
+    ported,
+    record_step_losses,
+    stamp_updates,
+)
 
 FOLDER, NAME = "timm_train", "train.py"
 CLASSES, TRAIN, VALIDATION = 8, 80, 24  # 10 batches of 4 a rank an epoch; 3 to validate
@@ -126,11 +133,22 @@ def make_images(folder: Path) -> None:
             Image.fromarray(pixels.numpy()).save(path / f"{n}.jpg")
 
 
-def run(folder: str, script: str, variant: str, flags: list[str], out: str = "") -> dict[str, Any]:
+def run(
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    out: str = "",
+    device: str = "cpu",
+    keep: str = "all",
+) -> dict[str, Any]:
     """One rank of the script (``variant`` "original", or "graph_safe": its optimizer made
     graph-safe at ``prepare_distributed``) or of its port ("port", or one of ``UNFINISHED``),
     with ``flags``, writing into ``folder/out`` (``folder/variant`` by default); what it
-    recorded."""
+    recorded. On ``device`` "cuda" (``flags`` then name ``--device cuda``) nothing of the CPU's
+    snags is patched, the script's loader may start workers and the port captures real CUDA
+    graphs; ``keep="times"``: only a timestamp after each update and the port's final report
+    (benchmarks/upstream_ports.py)."""
     base = Path(folder)
     text = Path(script).read_text(encoding="utf-8")
     if variant.startswith("port"):
@@ -143,10 +161,20 @@ def run(folder: str, script: str, variant: str, flags: list[str], out: str = "")
     os.chdir(base)
     record: dict[str, Any] = {"losses": [], "lrs": [], "updates": [], "outputs": []}
     record["epoch_lrs"], record["printed"] = [], []
-    _cpu_snags()
-    _record(record, variant)
+    if device == "cpu":
+        _cpu_snags()
+        graphs_on_the_cpu_engine()
+    else:
+        loader_workers_allowed()
+    if keep == "times":
+        from timm.scheduler.scheduler import Scheduler
+
+        stamp_updates(record, Scheduler, "step_update")
+        logging.getLogger("train").addHandler(_Printed(record["printed"]))
+    else:
+        _record(record, variant)
     if variant == "graph_safe":
-        _graph_safe_at_prepare_distributed()
+        _graph_safe_at_prepare_distributed(device)
     sys.argv = [
         str(path), "--data-dir", str(base / "data"), "--model", "test_resnet",
         "--num-classes", str(CLASSES), "--input-size", "3", "32", "32", "-b", "4", "-j", "0",
@@ -154,6 +182,8 @@ def run(folder: str, script: str, variant: str, flags: list[str], out: str = "")
         "--output", str(base / (out or variant)), *flags,
     ]  # fmt: skip
     runpy.run_path(str(path), run_name="__main__")
+    if keep == "times":
+        record["report"] = final_report()
     return record
 
 
@@ -180,7 +210,7 @@ def _cpu_snags() -> None:
     timm.data.create_loader = created  # the script imports it by name after this
 
 
-def _graph_safe_at_prepare_distributed() -> None:
+def _graph_safe_at_prepare_distributed(device: str = "cpu") -> None:
     """The optimizer ``create_optimizer_v2`` made, made graph-safe at ``prepare_distributed``
     (after a resume loaded it, before the scheduler is built), where the port builds its
     TrainStep: the script then steps the arithmetic the graph steps (fused SGD, capturable
@@ -201,7 +231,7 @@ def _graph_safe_at_prepare_distributed() -> None:
     prepare = ClassificationTask.prepare_distributed
 
     def prepare_distributed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        plan = make_graph_safe(made[-1], torch.device("cpu"))
+        plan = make_graph_safe(made[-1], torch.device(device))
         # timm's scheduler assigns each LR as a number; the step copies it into the tensor
         # before each optimizer step, and so does the script here
         made[-1].register_step_pre_hook(lambda *_: plan.sync_lr())
@@ -257,7 +287,6 @@ def _record(record: dict[str, Any], variant: str) -> None:
         record["epoch_lrs"].append(lrs(self))
 
     Scheduler.step_update, Scheduler.step = updated, stepped  # type: ignore[method-assign]
-    graphs_on_the_cpu_engine()
     logging.getLogger("train").addHandler(_Printed(record["printed"]))
 
 

@@ -64,7 +64,14 @@ import torch
 
 from ddpgraph.step.optim import GraphSafeOptimizer, plan_graph_safety
 
-from .upstream import graphs_on_the_cpu_engine, ported, sha256_of
+from .upstream import (
+    final_report,
+    graphs_on_the_cpu_engine,
+    loader_workers_allowed,
+    ported,
+    sha256_of,
+    stamp_updates,
+)
 
 FOLDER, NAME = "torchvision_classification", "train.py"
 MODULES = ("utils.py", "presets.py", "transforms.py", "sampler.py")
@@ -149,13 +156,21 @@ def make_images(folder: Path, train: int = TRAIN) -> None:
 
 
 def run(
-    folder: str, script: str, variant: str, flags: list[str], out: str, device: str = "cpu"
+    folder: str,
+    script: str,
+    variant: str,
+    flags: list[str],
+    out: str,
+    device: str = "cpu",
+    keep: str = "all",
 ) -> dict[str, Any]:
     """One rank of the script ("original": its optimizer made graph-safe where the port's
-    TrainStep makes it) or of its port ("port"), with ``flags``, writing its checkpoints into
-    ``folder/out``, on the CPU (its snags patched, the port on the CPU engine) or on this
-    rank's GPU ("cuda": the script's own nccl group and CUDA graphs; nothing patched but the
-    resume's ``Namespace`` and the seed); what it recorded."""
+    TrainStep makes it; "untouched": not) or of its port ("port"), with ``flags``, writing its
+    checkpoints into ``folder/out``, on the CPU (its snags patched, the port on the CPU engine)
+    or on this rank's GPU ("cuda": the script's own nccl group and CUDA graphs; nothing patched
+    but the resume's ``Namespace`` and the seed; its loader may start workers); what it
+    recorded (``keep="times"``: only a timestamp after each update and the port's final
+    report, for benchmarks/upstream_ports.py)."""
     import torch.distributed as dist
 
     base = Path(folder)
@@ -172,8 +187,16 @@ def run(
     amp = "--amp" in flags
     if device == "cpu":
         _cpu_snags(variant, amp)
+    else:
+        loader_workers_allowed()
     torch.serialization.add_safe_globals([argparse.Namespace])
-    _record(record, variant, device, amp)
+    if keep == "times":
+        import utils
+
+        stamp_updates(record, utils.MetricLogger, "update", lambda _, **kwargs: "lr" in kwargs)
+        _script_ddp(variant, device, _optimizers_made(), amp)
+    else:
+        _record(record, variant, device, amp)
     sys.argv = [
         str(path), "--data-path", str(base / "images"), "--device", device, "--model",
         "shufflenet_v2_x0_5", "-b", "4", "--workers", "0", "--train-crop-size", "32",
@@ -185,6 +208,8 @@ def run(
     with contextlib.redirect_stdout(printed):
         runpy.run_path(str(path), run_name="__main__")
     record["printed"] = [line for line in printed.getvalue().splitlines() if "Acc@1" in line]
+    if keep == "times":
+        record["report"] = final_report()
     dist.barrier()  # every rank's checkpoints written before the test reads them
     dist.destroy_process_group()
     return record
@@ -229,14 +254,7 @@ def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> Non
 
     import ddpgraph
 
-    held: dict[str, Any] = {}
-    optimizer_init = torch.optim.Optimizer.__init__
-
-    def init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
-        optimizer_init(self, *args, **kwargs)
-        held.setdefault("optimizers", []).append(self)
-
-    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+    held: dict[str, Any] = {"optimizers": _optimizers_made()}
     set_weight_decay = utils.set_weight_decay
 
     def weight_decay_of(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -270,19 +288,42 @@ def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> Non
             return loss
 
         ddpgraph.TrainStep.__call__ = reported  # type: ignore[method-assign]
-    else:
-        ddp = torch.nn.parallel.DistributedDataParallel
+    _script_ddp(variant, device, held["optimizers"], amp)
 
-        def wrapped(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> Any:
+
+def _optimizers_made() -> list[torch.optim.Optimizer]:
+    """Every optimizer made from now on, in order (the script's is the first)."""
+    made: list[torch.optim.Optimizer] = []
+    optimizer_init = torch.optim.Optimizer.__init__
+
+    def init(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        optimizer_init(self, *args, **kwargs)
+        made.append(self)
+
+    torch.optim.Optimizer.__init__ = init  # type: ignore[method-assign]
+    return made
+
+
+def _script_ddp(
+    variant: str, device: str, optimizers: list[torch.optim.Optimizer], amp: bool
+) -> None:
+    """The script's DDP built without ``device_ids`` on the CPU; for "original" its optimizers
+    made graph-safe there (where the port's TrainStep makes them)."""
+    if variant == "port" or (variant == "untouched" and device != "cpu"):
+        return
+    ddp = torch.nn.parallel.DistributedDataParallel
+
+    def wrapped(module: torch.nn.Module, device_ids: Any = None, **kwargs: Any) -> Any:
+        if variant == "original":
             # where the port's TrainStep makes it graph-safe (a copy: the plan's probes add more)
-            for optimizer in list(held["optimizers"]):
+            for optimizer in list(optimizers):
                 plan = plan_graph_safety(optimizer, torch.device(device), fp16=amp)
                 assert isinstance(plan, GraphSafeOptimizer), plan
-            if device == "cpu":
-                return ddp(module, **kwargs)  # no device_ids for a CPU module
-            return ddp(module, device_ids=device_ids, **kwargs)
+        if device == "cpu":
+            return ddp(module, **kwargs)  # no device_ids for a CPU module
+        return ddp(module, device_ids=device_ids, **kwargs)
 
-        torch.nn.parallel.DistributedDataParallel = wrapped  # type: ignore[misc]
+    torch.nn.parallel.DistributedDataParallel = wrapped  # type: ignore[misc]
 
 
 def comparable(value: Any) -> Any:
