@@ -30,6 +30,7 @@ START, END = "<!-- perf:start -->", "<!-- perf:end -->"
 LOOPS_START, LOOPS_END = "<!-- loops:start -->", "<!-- loops:end -->"
 OBJECTS_START, OBJECTS_END = "<!-- objects:start -->", "<!-- objects:end -->"
 HF_START, HF_END = "<!-- hf:start -->", "<!-- hf:end -->"
+PORTS_START, PORTS_END = "<!-- ports:start -->", "<!-- ports:end -->"
 HEADLINE_MODES = ("eager_ddp", "compile_reduce_overhead", "train_step", "train_step_compiled")
 
 
@@ -371,6 +372,52 @@ OBJECT_COLUMNS = {
 }
 
 
+def ports_section() -> str | None:
+    """The pinned public scripts as written against their ports on a GPU
+    (``upstream-ports-*.json`` from benchmarks/upstream_ports.py), a row per script and
+    precision; None without such a file."""
+    parts: list[str] = []
+    for path in sorted(RESULTS.glob("upstream-ports-*.json")):
+        data = json.loads(path.read_text())
+        if data.get("device") in (None, "cpu"):
+            continue  # a CPU smoke run times nothing worth a table
+        parts += [
+            f"`{path.name}`: {data['device']}, torch {data['torch']}, commit "
+            f"{data.get('commit', '?')}, world size {data['world_size']} (no communication). "
+            "ms per update: the median interval between an epoch's full-batch updates after "
+            "the step's warm-up, each behind a device sync; replayed: the port's replays that "
+            "were not captures, over its steps.",
+            "",
+            "| script | precision | model, batch | as written ms | port ms (× faster) "
+            "| replayed | captures |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
+        for name, script in data["scripts"].items():
+            parts += [_ports_row(name, script, precision) for precision in ("fp32", "amp")]
+        parts.append("")
+    rows = [line for line in parts if line is not None]
+    return "\n".join(rows).rstrip() or None
+
+
+def _ports_row(name: str, script: dict, precision: str) -> str | None:
+    run = script.get(precision)
+    if not isinstance(run, dict) or "error" in run or "port" not in run:
+        return (
+            None if run is None else f"| {name} | {precision} | failed: {run.get('error', '?')} |"
+        )
+    sizes = script.get("sizes", {})
+    shape = f"{sizes.get('model', '?')}, {sizes.get('batch', '?')}"
+    theirs, ours, report = run["script"], run["port"], run.get("report", {})
+    faster = run.get("port_vs_script")
+    port = f"{ours['median_ms']:.2f}" + (f" ({faster:.2f}×)" if faster else "")
+    replayed = report.get("replayed_uncaptured", report.get("replayed"))
+    shown = f"{replayed:.2f}" if isinstance(replayed, float) else "?"
+    return (
+        f"| {name} | {precision} | {shape} | {theirs['median_ms']:.2f} | {port} | {shown} "
+        f"| {report.get('captures', '?')} |"
+    )
+
+
 def objects_section() -> str | None:
     """ddpgraph's object collectives against torch's, per recorded file (a chart per sweep)."""
     parts: list[str] = []
@@ -533,6 +580,7 @@ def main() -> None:
     page = _replace(PAGE.read_text(), START, END, section(results))
     page = _replace(page, LOOPS_START, LOOPS_END, loops_section())
     page = _replace(page, HF_START, HF_END, hf_section())
+    page = _replace(page, PORTS_START, PORTS_END, ports_section())
     page = _replace(page, OBJECTS_START, OBJECTS_END, objects_section())
     README.write_text(readme)
     PAGE.write_text(page)

@@ -361,6 +361,19 @@ def run_script(
     return result
 
 
+def _git(*args: str) -> str | None:
+    """What git says of this checkout (None where it is no git checkout)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--scripts", default=",".join(SCRIPTS), help="of " + ",".join(SCRIPTS))
@@ -405,6 +418,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "size": size,
         "versions": _versions(),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "src_tree": _git("rev-parse", "--short=10", "HEAD:src"),
         "world_size": 1,
         "scripts": results,
     }  # fmt: skip

@@ -118,3 +118,30 @@ def test_render_shows_each_config_once_with_its_newest_result_in_tables_that_fit
     assert max(map(len, tables)) <= 100
     readme = render.README.read_text().split("<!-- perf:start -->")[1]
     assert readme.count("| MLP |") == 1
+
+
+def test_render_tables_the_upstream_ports_gpu_figures_and_skips_a_cpu_smoke_run(render, tmp_path):
+    """benchmarks/upstream_ports.py's JSON (its shape as the script writes it) becomes a row
+    per script and precision in docs/benchmarks.md; a failed run a row naming its error; a
+    CPU smoke run no table."""
+    render.RESULTS = tmp_path / "results"
+    render.RESULTS.mkdir()
+
+    def side(ms):
+        return {"median_ms": ms, "steps_per_s": 1e3 / ms, "printed": [], "report": ""}
+
+    timm = {
+        "sizes": {"model": "resnet50", "batch": 128},
+        "fp32": {"script": side(80.0), "port": side(40.0), "port_vs_script": 2.0,
+                 "report": {"replayed_uncaptured": 0.75, "captures": 1}},
+        "amp": {"error": "RuntimeError: boom"},
+    }  # fmt: skip
+    data = {"device": "GPU X", "torch": "2.x", "commit": "c0ffee", "world_size": 1}
+    for name, device in (("upstream-ports-gpu.json", "GPU X"), ("upstream-ports-cpu.json", "cpu")):
+        payload = {**data, "device": device, "scripts": {"timm": timm}}
+        (render.RESULTS / name).write_text(json.dumps(payload))
+    render.main()
+    page = render.PAGE.read_text()
+    assert "| timm | fp32 | resnet50, 128 | 80.00 | 40.00 (2.00×) | 0.75 | 1 |" in page
+    assert "| timm | amp | failed: RuntimeError: boom |" in page
+    assert "upstream-ports-gpu.json" in page and "upstream-ports-cpu.json" not in page
