@@ -9,6 +9,10 @@ outside the script: tests/upstream_torchvision.py.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -125,6 +129,43 @@ def test_train_py_flag_matrix_ported_is_the_script_bit_for_bit(tmp_path, flag_se
     flags = ["--epochs", "3", *FLAG_SETS[flag_set]]
     ema = "--model-ema" in flags
     _compare(tmp_path, flags, evaluations=6 if ema else 3)
+
+
+_ONE_SESSION = """
+import json, sys
+from ddpgraph.testing import run_distributed
+from tests import upstream_torchvision as worker
+folder, script = sys.argv[1], sys.argv[2]
+flags = ["--epochs", "1", "--opt", "sgd", "--lr", "0.02"]
+(record,) = run_distributed(
+    worker.run, 1, args=(folder, script, "original", flags, sys.argv[3]), timeout=600, init=False
+)
+print(json.dumps(record["losses"]))
+"""
+
+
+def test_train_py_sees_the_same_data_in_every_test_session(tmp_path):
+    """The script seeds nothing, and torch 2.14.1's default generator starts at a seed of its
+    own in each interpreter, which run_distributed's workers inherit from its forkserver: each
+    test session trained on other crops and another init (the H100's --amp adamw-clip test
+    passed in some sessions only). Two fresh interpreters (two sessions) run the script as
+    written on the same images: the same losses (the worker seeds torch as 0)."""
+    script = _script()
+    upstream_torchvision.make_images(tmp_path / "images", train=8)
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    losses = []
+    for session in ("a", "b"):
+        done = subprocess.run(
+            [sys.executable, "-c", _ONE_SESSION, str(tmp_path), str(script), session],
+            cwd=root, env=env, capture_output=True, text=True, timeout=RUN_S, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
 
 
 def test_train_py_repeated_augmentation_ported_is_the_script_bit_for_bit(tmp_path):

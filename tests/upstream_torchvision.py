@@ -17,9 +17,14 @@ ImageFolder of small JPEGs the test makes. Its CPU snags are patched outside it,
 - The original's ``DistributedDataParallel(model, device_ids=[args.gpu])`` names a device for a
   CPU module, which DDP refuses: the original's DDP is built without ``device_ids`` (the port
   has no such line).
-- The script seeds nothing: torch's default generator starts at its fixed seed in every
-  process, but Python's ``random``, from which mixup/cutmix's ``RandomChoice`` picks, is seeded
-  by the OS at each fork: seeded with the rank before the script runs, in both runs alike.
+- The script seeds nothing (:func:`seed_as_unseeded_script`): torch's default generator
+  (the model's init, every crop and flip) starts at a seed of its own in each interpreter
+  (torch 2.14.1: ``python -c "import torch; print(torch.initial_seed())"`` prints another
+  number each time), which ``run_distributed``'s workers inherit from its forkserver: the
+  original and the port of one test session saw the same data, but each session other data
+  (so a difference that only some data show came and went). Python's ``random``, from which
+  mixup/cutmix's ``RandomChoice`` picks, is seeded by the OS at each fork. Both seeded before
+  the script runs, in both runs alike: torch's with 0, ``random`` with the rank.
 - ``--resume``: ``torch.load(..., weights_only=True)`` refuses the ``argparse.Namespace`` the
   script saved (torch >= 2.6, the original too): that class allowed with
   ``torch.serialization.add_safe_globals``, as the guide says.
@@ -203,7 +208,7 @@ def run(
         "--val-resize-size", "36", "--val-crop-size", "32", "--print-freq", "100",
         "--output-dir", str(base / out), *flags,
     ]  # fmt: skip
-    random.seed(int(os.environ["RANK"]))  # the script seeds nothing (docstring)
+    seed_as_unseeded_script(int(os.environ["RANK"]))
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         runpy.run_path(str(path), run_name="__main__")
@@ -213,6 +218,13 @@ def run(
     dist.barrier()  # every rank's checkpoints written before the test reads them
     dist.destroy_process_group()
     return record
+
+
+def seed_as_unseeded_script(rank: int) -> None:
+    """The seeds a script that seeds nothing runs with here, the same in every test session:
+    torch's default generator (CPU and CUDA) 0, Python's ``random`` the rank (the docstring)."""
+    torch.manual_seed(0)
+    random.seed(rank)
 
 
 def _cpu_snags(variant: str, amp: bool) -> None:

@@ -6,8 +6,11 @@ run at 86db3d3 on an H100: both sets differed from the 10th update on (the port'
 fused SGD left its momentum uninitialized after the skipped first steps; the original's AdamW
 was not the port's fused one); fixed in 52's stop 58. The worker is
 tests/upstream_torchvision.py with ``device="cuda"``: the script's own nccl group and CUDA
-graphs, nothing patched but the seed of Python's ``random`` and the resume's ``Namespace``; the
-script's optimizer made graph-safe where the port's TrainStep makes it;
+graphs, nothing patched but the seeds (torch's 0, Python's ``random`` the rank: torch 2.14.1's
+default generator starts at a seed of its own in each test session, so before they were seeded
+each session trained on other data, and this test's adamw-clip set failed in 2 of 6 sessions,
+first at ``losses[11]``) and the resume's ``Namespace``; the script's optimizer made graph-safe
+where the port's TrainStep makes it;
 ``--use-deterministic-algorithms`` (else the script turns on cuDNN's benchmark, whose choice of
 kernels may differ from run to run).
 
