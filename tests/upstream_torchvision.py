@@ -222,8 +222,9 @@ def run(
 
 def seed_as_unseeded_script(rank: int) -> None:
     """The seeds a script that seeds nothing runs with here, the same in every test session:
-    torch's default generator (CPU and CUDA) 0, Python's ``random`` the rank (the docstring)."""
-    torch.manual_seed(0)
+    torch's default generator (CPU and CUDA) 0 (or ``$DDPGRAPH_SCRIPT_SEED``, to run the same
+    comparison on other data), Python's ``random`` the rank (the docstring)."""
+    torch.manual_seed(int(os.environ.get("DDPGRAPH_SCRIPT_SEED", "0")))
     random.seed(rank)
 
 
