@@ -382,8 +382,8 @@ def ports_section() -> str | None:
         if data.get("device") in (None, "cpu"):
             continue  # a CPU smoke run times nothing worth a table
         parts += [
-            f"`{path.name}`: {data['device']}, torch {data['torch']}, commit "
-            f"{data.get('commit', '?')}, world size {data['world_size']} (no communication). "
+            f"`{path.name}`: {data['device']}, torch {data['torch']}, src tree "
+            f"{data.get('src_tree', '?')}, world size {data['world_size']} (no communication). "
             "ms per update: the median interval between an epoch's full-batch updates after "
             "the step's warm-up, each behind a device sync; replayed: the port's replays that "
             "were not captures, over its steps.",
@@ -401,13 +401,16 @@ def ports_section() -> str | None:
 
 def _ports_row(name: str, script: dict, precision: str) -> str | None:
     run = script.get(precision)
-    if not isinstance(run, dict) or "error" in run or "port" not in run:
-        return (
-            None if run is None else f"| {name} | {precision} | failed: {run.get('error', '?')} |"
-        )
+    if not isinstance(run, dict):
+        return None  # not run (--precisions)
     sizes = script.get("sizes", {})
     shape = f"{sizes.get('model', '?')}, {sizes.get('batch', '?')}"
-    theirs, ours, report = run["script"], run["port"], run.get("report", {})
+    theirs, ours, report = run.get("script", {}), run.get("port", {}), run.get("report", {})
+    error = run.get("error") or theirs.get("error") or ours.get("error")
+    if error or theirs.get("median_ms") is None or ours.get("median_ms") is None:
+        last = str(error or "no full-batch interval").strip().splitlines()[-1].strip()
+        last = last if len(last) <= 100 else last[:97] + "..."
+        return f"| {name} | {precision} | {shape} | failed: {last} | | | |"
     faster = run.get("port_vs_script")
     port = f"{ours['median_ms']:.2f}" + (f" ({faster:.2f}×)" if faster else "")
     replayed = report.get("replayed_uncaptured", report.get("replayed"))

@@ -361,17 +361,13 @@ def run_script(
     return result
 
 
-def _git(*args: str) -> str | None:
-    """What git says of this checkout (None where it is no git checkout)."""
-    import subprocess
+def _src_tree() -> str:
+    """The git tree id of ``src/`` as it is on disk (the GPU machine's copy of the working tree
+    has no current ``.git``: its HEAD named a commit older than the files that ran)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_receipt import git_tree_hash
 
-    try:
-        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return None
-    if done.returncode != 0:
-        return None
-    return done.stdout.strip() or None
+    return git_tree_hash(ROOT / "src")[:10]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -418,8 +414,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "size": size,
         "versions": _versions(),
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "src_tree": _git("rev-parse", "--short=10", "HEAD:src"),
+        "src_tree": _src_tree(),
         "world_size": 1,
         "scripts": results,
     }  # fmt: skip

@@ -136,12 +136,12 @@ def test_render_tables_the_upstream_ports_gpu_figures_and_skips_a_cpu_smoke_run(
                  "report": {"replayed_uncaptured": 0.75, "captures": 1}},
         "amp": {"error": "RuntimeError: boom"},
     }  # fmt: skip
-    data = {"device": "GPU X", "torch": "2.x", "commit": "c0ffee", "world_size": 1}
+    data = {"device": "GPU X", "torch": "2.x", "src_tree": "c0ffee", "world_size": 1}
     for name, device in (("upstream-ports-gpu.json", "GPU X"), ("upstream-ports-cpu.json", "cpu")):
         payload = {**data, "device": device, "scripts": {"timm": timm}}
         (render.RESULTS / name).write_text(json.dumps(payload))
     render.main()
     page = render.PAGE.read_text()
     assert "| timm | fp32 | resnet50, 128 | 80.00 | 40.00 (2.00×) | 0.75 | 1 |" in page
-    assert "| timm | amp | failed: RuntimeError: boom |" in page
+    assert "| timm | amp | resnet50, 128 | failed: RuntimeError: boom | | | |" in page
     assert "upstream-ports-gpu.json" in page and "upstream-ports-cpu.json" not in page

@@ -152,7 +152,11 @@ def make_inputs(
         for _ in range(count):
             n = 2 + int(torch.randint(7, (), generator=gen)) if varied else 5
             words = [_WORDS[int(i)] for i in torch.randint(len(_WORDS), (n,), generator=gen)]
-            lines.append(f"{' '.join(words)},{int(sum(_WORDS.index(w) < 5 for w in words) > 2)}")
+            # labels as words: the script sets config.label2id from them, and transformers 5.17's
+            # strict config refuses int keys there ("Field 'label2id' with value {0: 0, 1: 1}
+            # doesn't match any type in (dict[str, int], ...)"); sorted, no/yes are 0/1 as before
+            label = ("no", "yes")[sum(_WORDS.index(w) < 5 for w in words) > 2]
+            lines.append(f"{' '.join(words)},{label}")
         (folder / name).write_text("\n".join(lines) + "\n")
     (folder / "accuracy").mkdir()
     (folder / "accuracy" / "accuracy.py").write_text(METRIC)

@@ -38,8 +38,19 @@ AMP_SETS = {
 }
 
 
-@pytest.mark.parametrize("flag_set", sorted(AMP_SETS))
-def test_train_py_amp_ported_is_the_script_on_the_gpu(tmp_path, flag_set):
+# the data seed 2 (torch's generator, $DDPGRAPH_SCRIPT_SEED): on one H100 at f039cd8, twice, only
+# the last update differed (the third epoch's short batch of 2 images, eager in the port), every
+# loss and the 11 skipped steps (the loss scale) alike; seeds 0, 1 and 3 passed. Cause not found.
+LAST_UPDATE_APART = pytest.mark.xfail(
+    strict=True, reason="adamw-clip, data seed 2: the last (short, eager) update differs on the GPU"
+)
+
+
+@pytest.mark.parametrize(
+    ("flag_set", "seed"),
+    [("adamw-clip", 0), pytest.param("adamw-clip", 2, marks=LAST_UPDATE_APART), ("sgd", 0)],
+)
+def test_train_py_amp_ported_is_the_script_on_the_gpu(tmp_path, flag_set, seed):
     """Every loss, LR and model tensor after each update, the evaluation logits, the printed
     Acc@1/Acc@5 and the checkpoints' model and optimizer, bit for bit, the port replaying (the
     port's checkpoint has no ``"scaler"`` entry: its loss scale is the step's)."""
@@ -54,7 +65,7 @@ def test_train_py_amp_ported_is_the_script_on_the_gpu(tmp_path, flag_set):
         args = (str(tmp_path), str(script), variant, flags, variant, "cuda")
         (runs[variant],) = run_distributed(
             upstream_torchvision.run, 1, args=args, timeout=600, init=False,
-            env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+            env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "DDPGRAPH_SCRIPT_SEED": str(seed)},
         )  # fmt: skip
     ours, theirs = runs["port"], runs["original"]
     print(ours["report"])
