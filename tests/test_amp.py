@@ -205,3 +205,18 @@ def test_fp16_sgd_whose_first_steps_overflow_makes_its_momentum_at_the_first_rea
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)
     assert float(step.loss_scale) == scaler.get_scale()
+
+
+def test_fp16_sgd_with_dampening_names_its_damped_first_update():
+    """The zero buffers make the first real update's momentum ``(1 - dampening) * grad``, where
+    torch's first step takes ``grad``: equal at dampening 0 (the test above), named otherwise."""
+    model = make_model()
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1),
+        nn.CrossEntropyLoss(),
+        amp="fp16",
+        engine=CpuGraphs(),
+    )
+    (line,) = [c for c in step.report().optimizer_changes if "momentum buffers" in c]
+    assert "dampening=0.1" in line and "undamped" in line, line
