@@ -220,3 +220,15 @@ def test_fp16_sgd_with_dampening_names_its_damped_first_update():
     )
     (line,) = [c for c in step.report().optimizer_changes if "momentum buffers" in c]
     assert "dampening=0.1" in line and "undamped" in line, line
+
+
+def test_fp16_sgd_gives_no_momentum_buffer_to_a_frozen_parameter():
+    """A script that passes every parameter, the frozen ones too (LoRA's base weights), gets
+    buffers only for those that train, as torch's own SGD would after its first step."""
+    model = make_model()
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    TrainStep(model, opt, nn.CrossEntropyLoss(), amp="fp16", engine=CpuGraphs())
+    assert frozen not in opt.state
+    assert all("momentum_buffer" in opt.state[p] for p in model.parameters() if p.requires_grad)

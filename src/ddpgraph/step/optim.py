@@ -301,12 +301,18 @@ def seed_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
     for group in optimizer.param_groups:
         if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
             continue
-        for p in group["params"]:
+        # a frozen parameter never gets a gradient, so torch never gives it a buffer: neither
+        # do we (a LoRA script passing every parameter would pay a model's size in zeros)
+        for p in filter(_trains, group["params"]):
             state = optimizer.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 seeded = True
     return seeded
+
+
+def _trains(param: torch.Tensor) -> bool:
+    return param.requires_grad
 
 
 def _dampened_first_update(optimizer: torch.optim.Optimizer) -> list[str]:
