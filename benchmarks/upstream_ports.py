@@ -14,11 +14,10 @@ About 20 runs of 10 to 30 s each, sized for the device's 10 minutes on an H100 (
 the JSON is written after each script's precision, so a command cut short keeps what it
 measured, and a run that fails keeps its error in the JSON while the others go on.
 
-Written, not yet run on a GPU (the helper that wrote it had no device). On the CPU
-(``--device cpu --size tiny``: gloo, the ports on ``CpuGraphs``; tests/test_upstream_ports.py)
-ran the command, the four workers' times-only runs, the intervals and the report's parsing; not
-the ``cv`` script (its ``main()`` fixes ResNet-50d at 224 px: too heavy there), nor the
-workers' CUDA paths (no CPU snags patched, loader workers, nccl, real graphs).
+Run on an H100 with ``--precisions amp`` (benchmarks/results/upstream-ports-amp-h100.json;
+glue failed there on the machine's transformers, since fixed in its data, not re-run), not yet
+with fp32. On the CPU (``--device cpu --size tiny``: gloo, the ports on ``CpuGraphs``;
+tests/test_upstream_ports.py) every part but the GPU runs.
 
 The scripts (``../shared/upstream/``, or ``$DDPGRAPH_UPSTREAM``) run through the workers of their
 bit-for-bit tests (``tests/upstream_*.py``), each run in its own ``run_distributed(..., 1,
@@ -37,7 +36,7 @@ backend="nccl")`` process (world size 1: no communication in these figures):
   ``--amp --amp-dtype bfloat16``;
 - ``torchvision``: torchvision's ``references/classification/train.py`` (``--model resnet50``,
   its default crops 224/256/224 and ``-b 32``), fp32 or ``--amp`` (fp16 autocast and
-  ``GradScaler``; its port's bit-for-bit GPU test failed at 3ed7633: the figures time it anyway).
+  ``GradScaler``).
 
 What is timed is the script as written (``"script"``: its own optimizer untouched; the JSON names
 the worker's variant) against its port (``"port"``: exactly what the tests run, on real CUDA

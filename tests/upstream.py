@@ -157,8 +157,6 @@ def stamp_updates(
     TrainStep a port calls kept, for :func:`final_report`."""
     import time
 
-    import ddpgraph
-
     method = getattr(owner, name)
 
     def stamped(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -170,6 +168,13 @@ def stamp_updates(
         return result
 
     setattr(owner, name, stamped)
+    keep_the_step()
+
+
+def keep_the_step() -> None:
+    """Keep the TrainStep a port calls (the last one called), for :func:`final_report`."""
+    import ddpgraph
+
     call = ddpgraph.TrainStep.__call__
 
     def kept(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -179,11 +184,11 @@ def stamp_updates(
     ddpgraph.TrainStep.__call__ = kept  # type: ignore[method-assign]
 
 
-_STEPS: list[Any] = []  # the TrainStep a timed port called last (stamp_updates)
+_STEPS: list[Any] = []  # the TrainStep a port called last (keep_the_step)
 
 
 def final_report() -> str:
-    """``str(step.report())`` of the TrainStep a timed port called (empty for the script)."""
+    """``str(step.report())`` of the TrainStep a port called (empty for the script)."""
     return str(_STEPS[-1].report()) if _STEPS else ""
 
 

@@ -66,20 +66,14 @@ def _hand_replay(graph, x: torch.Tensor, y: torch.Tensor):
 
 
 def _profile(fn, calls: int, every: int, path: str) -> None:
-    """cProfile of ``calls`` calls of ``fn`` (synced every ``every`` outside the profile), the
-    functions sorted by their own time, written to ``path``."""
+    """cProfile of ``calls`` calls of ``fn`` as :func:`_timed` makes them, the functions sorted
+    by their own time, written to ``path``."""
     import cProfile
     import io
     import pstats
 
     profiler = cProfile.Profile()
-    for i in range(calls):
-        if i % every == 0:
-            torch.cuda.synchronize()
-        profiler.enable()
-        fn()
-        profiler.disable()
-    torch.cuda.synchronize()
+    profiler.runcall(_timed, fn, calls, every)  # its syncs are a line of their own in the table
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
     with open(path, "w") as f:

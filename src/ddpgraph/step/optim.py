@@ -297,22 +297,21 @@ def seed_momentum_buffers(optimizer: torch.optim.Optimizer) -> bool:
     (1 - dampening) * grad``: the ``grad`` torch's first step takes where ``dampening`` is 0 (its
     default; the report names any other value: :func:`_dampened_first_update`).
     """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
     seeded = False
     for group in optimizer.param_groups:
-        if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
+        if not group.get("momentum"):
             continue
-        # a frozen parameter never gets a gradient, so torch never gives it a buffer: neither
-        # do we (a LoRA script passing every parameter would pay a model's size in zeros)
-        for p in filter(_trains, group["params"]):
-            state = optimizer.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        for p in group["params"]:
+            # a frozen parameter never gets a gradient, so torch never gives it a buffer: neither
+            # do we (a LoRA script passing every parameter would pay a model's size in zeros)
+            if p.requires_grad and "momentum_buffer" not in optimizer.state[p]:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(
+                    p, memory_format=torch.preserve_format
+                )
                 seeded = True
     return seeded
-
-
-def _trains(param: torch.Tensor) -> bool:
-    return param.requires_grad
 
 
 def _dampened_first_update(optimizer: torch.optim.Optimizer) -> list[str]:
@@ -320,7 +319,7 @@ def _dampened_first_update(optimizer: torch.optim.Optimizer) -> list[str]:
     if not dampening:
         return []
     return [
-        f"{MOMENTUM_SEEDED}: with dampening={sorted(dampening)[0]!r} the first update's momentum "
+        f"{MOMENTUM_SEEDED}: with dampening={min(dampening)!r} the first update's momentum "
         "is (1 - dampening) * grad where torch's own first step takes grad undamped (a skipped "
         "fp16 step cannot leave the choice to the host; dampening=0 makes the two equal)"
     ]
