@@ -97,3 +97,35 @@ def functional_all_reduce_replays() -> list[list[float]]:
         program.replay()
         got.append(out.tolist())
     return got
+
+
+def ddp_ranks_disagree_on_the_short_batch() -> dict:
+    """Rank 0 meets a short batch right after the warm-up, rank 1 does not: the first capture,
+    a collective, waits on both ranks until both batches repeat their predecessors' shape
+    (agreed), and the run equals the script's own DDP loop on the same data."""
+    rank = dist.get_rank()
+    full = batches(16, 8, seed=1 + rank)
+    data = full[:12] + ([batches(1, 4, seed=9)[0]] if rank == 0 else []) + full[12:]
+    model = _batchnorm_model()
+    step = TrainStep(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), nn.CrossEntropyLoss(),
+        engine=CpuGraphs(),
+    )  # fmt: skip
+    for x, y in data[:16]:
+        step(x, y)
+    ref = _batchnorm_model()
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    make_graph_safe(opt, torch.device("cpu"))
+    for x, y in data[:16]:
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    report = step.report()
+    return {
+        "captured_at": [c.at_step for c in report.captures],
+        "replays": report.replays,
+        "params_equal": all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True)
+        ),
+    }

@@ -419,6 +419,15 @@ def test_ddp_replays_send_the_recorded_gloo_all_reduce_and_equal_eager_ddp():
 
 
 @pytest.mark.timeout(240)
+def test_ranks_agree_when_the_first_capture_waits_for_a_repeated_batch():
+    """Rank 0's call 13 is a short batch, rank 1's a full one: both wait (one tiny all-reduce a
+    call) and capture together at call 15, the first both of whose batches repeat their
+    predecessors'; rank 1 capturing alone at 13 would leave the collectives unpaired."""
+    for result in run_distributed(workers.ddp_ranks_disagree_on_the_short_batch, 2, timeout=200):
+        assert result == {"captured_at": [15], "replays": 2, "params_equal": True}, result
+
+
+@pytest.mark.timeout(240)
 def test_fsdp2_replays_send_the_recorded_all_gathers_and_equal_the_fsdp2_loop():
     for result in run_distributed(workers.fsdp2_replays, 2, timeout=200):
         assert result == {"replays": 16 - 3, "losses_equal": True, "params_equal": True}
@@ -457,24 +466,49 @@ def test_a_replayed_functional_all_reduce_is_waited_before_its_result_is_read():
     assert results == [expected, expected]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the first capture takes whatever batch the warm-up ends on: an epoch's short last "
-    "batch here, so every full batch after it runs eagerly (on_new_shape='eager'); seen on an "
-    "H100 in complete_cv_example.py (800 images in batches of 64: 12 full + 1 short an epoch, "
-    "warm-up 12): 36 of 39 steps eager. A fix must keep the ranks agreed (issue 52's notes).",
-)
 def test_a_warmup_that_ends_on_an_epochs_short_batch_still_replays_the_full_batches():
     """Epochs of 12 full batches (4 rows) and a short one (2 rows), the default warm-up of 12
-    calls: the run should replay its full batches, as one whose epochs are any other length
-    does, not run them eagerly after capturing the epoch's tail."""
+    calls: the first capture waits for a batch like its predecessor (call 15: 13 is the short
+    one, 14 the first after it), so the full batches replay and only the tails run eagerly.
+    Seen on an H100 in complete_cv_example.py (800 images in batches of 64, warm-up 12): the
+    graph fixed on the epoch's tail, 36 of 39 steps eager (`eager=36 replays=3` here too
+    before the wait; strict xfail until 58)."""
     torch.manual_seed(0)
     model = make_model()
     step = graphed(model, sgd(model), nn.CrossEntropyLoss())
     full, short = batches(12, 4), batches(1, 2)
-    for _ in range(3):
-        for x, y in full + short:
-            step(x, y)
+    data = (full + short) * 3
+    losses = [step(x, y) for x, y in data]
     report = step.report()
-    shapes = [str(capture) for capture in report.captures]
-    assert report.replays >= 2 * 12, (str(report), shapes)
+    assert len(report.captures) == 1 and report.captures[0].signature.leaves[0].shape == (4, 8), (
+        str(report)
+    )
+    assert report.captures[0].at_step == 15, str(report)
+    # 15-25 and 27-38 replayed; the 12 warm-up steps, 13 and 14, and the tails 26 and 39 eager
+    assert (report.replays, report.eager_steps) == (11 + 12, 12 + 2 + 2), str(report)
+    ref, ref_losses = eager_reference(data, sgd)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses, strict=True))
+    assert_same_parameters(model, ref)
+
+
+def test_the_first_capture_waits_three_steps_at_most_for_a_repeated_batch():
+    """Batches whose shape changes on every call (dynamic padding, nothing repeats): the first
+    capture waits three steps past the warm-up, then takes the batch at hand."""
+    torch.manual_seed(0)
+    model = make_model()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss())
+    for i in range(20):
+        x, y = batches(1, 2 + i % 2)[0]  # 2, 3, 2, 3, ... rows
+        step(x, y)
+    report = step.report()
+    assert [c.at_step for c in report.captures] == [WARMUP + 4], str(report)
+
+
+def test_with_on_new_shape_capture_the_first_capture_does_not_wait():
+    """Every new shape gets its own graph there: the tail's graph costs nothing."""
+    torch.manual_seed(0)
+    model = make_model()
+    step = graphed(model, sgd(model), nn.CrossEntropyLoss(), on_new_shape="capture")
+    for x, y in batches(12, 4) + batches(1, 2) + batches(3, 4):
+        step(x, y)
+    assert [c.at_step for c in step.report().captures] == [13, 14], str(step.report())

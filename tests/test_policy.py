@@ -15,6 +15,7 @@ from ddpgraph.step.policy import Action, Call, Phase, Plan, PolicyState, decide
 
 SIG, OTHER = ("args", ("0", "1"), "4x8"), ("args", ("0", "1"), "2x8")
 PLAN = Plan(warmup_calls=12, on_new_shape="eager")
+WAITS = Plan(warmup_calls=12, on_new_shape="eager", first_capture_wait=3)
 
 
 def _call(**facts) -> Call:
@@ -39,6 +40,42 @@ ROWS = [
     ("warm-up done", PLAN, WARMUP, {}, Action.FIRST_CAPTURE),
     ("warm-up done inside an open window", PLAN, WARMUP, dict(window_open=True), Action.EAGER),
     ("warm-up done, the wrapper not ready", PLAN, WARMUP, dict(ready=lambda: False), Action.EAGER),
+    (
+        "warm-up done on a batch unlike its predecessor (an epoch's tail): wait",
+        WAITS,
+        WARMUP,
+        dict(previous=OTHER),
+        Action.EAGER,
+    ),
+    (
+        "warm-up done on a batch like its predecessor",
+        WAITS,
+        WARMUP,
+        dict(previous=SIG),
+        Action.FIRST_CAPTURE,
+    ),
+    ("warm-up done, no call before", WAITS, WARMUP, dict(previous=None), Action.FIRST_CAPTURE),
+    (
+        "a batch like its predecessor here, not on a peer (the vote)",
+        WAITS,
+        WARMUP,
+        dict(previous=SIG, agree=lambda mine: False),
+        Action.EAGER,
+    ),
+    (
+        "the wait over: capture whatever the batch",
+        WAITS,
+        WARMUP,
+        dict(previous=OTHER, eager_steps=15),
+        Action.FIRST_CAPTURE,
+    ),
+    (
+        "no wait planned (on_new_shape='capture')",
+        PLAN,
+        WARMUP,
+        dict(previous=OTHER),
+        Action.FIRST_CAPTURE,
+    ),
     ("graphed, the key's graph exists", PLAN, GRAPHED, dict(has_graph=True), Action.REPLAY),
     ("graphed, a new mode of a captured shape", PLAN, GRAPHED, {}, Action.CAPTURE),
     ("graphed, a new shape under 'eager'", PLAN, GRAPHED, dict(signature=OTHER), Action.EAGER),
@@ -77,6 +114,21 @@ def test_a_replay_never_asks_the_wrapper():
     assert decide(PLAN, GRAPHED, _call(has_graph=True, ready=asked)) is Action.REPLAY
     # nor during warm-up before its count is reached (FSDP2's readiness raises when not idle)
     assert decide(PLAN, WARMUP, _call(eager_steps=3, ready=asked)) is Action.EAGER
+
+
+def test_the_vote_is_asked_on_the_same_calls_everywhere():
+    """The vote is a collective: asked at every call between the warm-up's end and the wait's,
+    whatever the rank's own batch (its answer is the rank's vote), never before or after."""
+    votes = []
+
+    def agree(mine: bool) -> bool:
+        votes.append(mine)
+        return False
+
+    for steps in range(10, 17):
+        for previous in (SIG, OTHER):
+            decide(WAITS, WARMUP, _call(eager_steps=steps, previous=previous, agree=agree))
+    assert votes == [True, False] * 3  # at 12, 13 and 14 eager steps
 
 
 def test_decide_changes_no_state():

@@ -6,7 +6,9 @@ returns an :class:`Action` and changes nothing. No torch, no model: ``tests/test
 checks it from tables. :class:`~ddpgraph.step.runner.Runner` carries the action out.
 
 Phases (:class:`Phase`): ``WARMUP`` runs eager steps (the warm-up rule of ``ddpgraph.facts``,
-at the wrapper's sample rate); then every rank captures and agrees that all succeeded, and
+at the wrapper's sample rate); then, on the first call whose batch is shaped like the call's
+before it on every rank (:func:`batch_settled`), every rank captures and agrees that all
+succeeded, and
 ``GRAPHED`` replays, capturing one more graph per new input signature
 (``on_new_shape="capture"``) or module mode; ``EAGER`` for the reason in the report; ``CLOSED``
 after ``close()``.
@@ -19,7 +21,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-__all__ = ["Action", "Call", "Phase", "Plan", "PolicyState", "decide"]
+__all__ = ["Action", "Call", "Phase", "Plan", "PolicyState", "batch_settled", "decide"]
 
 
 class Phase(enum.Enum):
@@ -46,6 +48,9 @@ class Plan:
 
     warmup_calls: int  # warm-up optimizer steps x accumulate_calls: eager calls before capture
     on_new_shape: str  # "eager", "capture" or "error" (refused before the decision)
+    # eager steps past the warm-up the first capture may wait for a batch shaped like the one
+    # before it (0: none; on_new_shape="eager" waits, where a graph of the wrong shape is final)
+    first_capture_wait: int = 0
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,9 @@ class Call(NamedTuple):
     eager_steps: int  # eager training steps so far
     window_open: bool  # accumulate_calls: micro-batches taken since the last update
     ready: Callable[[], bool]
+    previous: Hashable = None  # the signature of the call before this one (None: none yet)
+    # every rank's vote, agreed (a collective: asked on every rank at the same call); alone: its own
+    agree: Callable[[bool], bool] = bool
 
 
 def decide(plan: Plan, state: PolicyState, call: Call) -> Action:
@@ -86,6 +94,22 @@ def decide(plan: Plan, state: PolicyState, call: Call) -> Action:
         and call.eager_steps >= plan.warmup_calls
         and not call.window_open
         and call.ready()
+        and batch_settled(plan, call)
     ):
         return Action.FIRST_CAPTURE
     return Action.EAGER
+
+
+def batch_settled(plan: Plan, call: Call) -> bool:
+    """Whether the first capture may take this call's batch: on every rank it has the shape of
+    the call's before it, or the wait is over.
+
+    The first graph fixes the shape every later batch replays at (``on_new_shape="eager"`` runs
+    the others eagerly). A warm-up that ends on an epoch's short last batch would otherwise
+    capture that one and run every full batch eagerly; a batch like its predecessor is not an
+    epoch's tail unless epochs are one batch long. Agreed because the capture is collective
+    (with dynamic padding, shapes differ by rank); bounded because some runs never repeat.
+    """
+    if call.eager_steps - plan.warmup_calls >= plan.first_capture_wait:
+        return True
+    return call.agree(call.previous in (None, call.signature))

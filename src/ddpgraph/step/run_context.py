@@ -79,7 +79,11 @@ class RunContext:
         self.report = report
         self.state = PolicyState()
         self.warmup = self._planned_warmup()
-        self.plan = Plan(self.warmup * options.accumulate_calls, options.on_new_shape)
+        k = options.accumulate_calls
+        # up to three more windows for a batch like its predecessor (an epoch's tail is one)
+        wait = 3 * k if options.on_new_shape == "eager" else 0
+        self.plan = Plan(self.warmup * k, options.on_new_shape, first_capture_wait=wait)
+        self.previous_signature: Signature | None = None  # the last call's that did not replay
         self.output: Any = None
         self.grad_norm: torch.Tensor | None = None  # the latest update's (graph-owned)
         self.call_steps = 1  # training steps in the current call (step(data): up to K)

@@ -34,6 +34,7 @@ from .batch import Batch, GraphKey, Role, describe, differences
 from .capturing import capture_and_replay, first_capture
 from .eager import eager
 from .events import changes as _changes
+from .parallel import agree_over
 from .policy import Action, Call, Phase, decide
 from .run_context import RunContext, training_of
 from .streams import on_stream
@@ -110,6 +111,8 @@ class Runner(RunContext):
                     self.report.eager_steps,
                     win.micro_batches != 0,
                     self._ready,
+                    self.previous_signature,
+                    self._agree,
                 ),
             )
             if action is Action.REPLAY and graphs is not None:
@@ -139,9 +142,22 @@ class Runner(RunContext):
         """The wrapper's answer: may the next forwards of this call be captured?"""
         return self.gate.allows_capture(self.call_steps)
 
+    def _agree(self, mine: bool) -> bool:
+        """Every rank's ``mine``: asked by the decision on every rank at the same call (before
+        the first capture, whether each rank's batch is shaped like its previous one)."""
+        every, _ = agree_over(self.gate.group, self.device, mine, False)
+        if not every:
+            get_logger().info(
+                "TrainStep holds its first capture: a batch unlike the one before it (an "
+                "epoch's short last batch?) would fix the graph's shape; it waits for one like "
+                f"its predecessor, at most {self.plan.first_capture_wait} steps past the warm-up"
+            )
+        return every
+
     def _run(self, action: Action, key: GraphKey, batch: Batch) -> torch.Tensor:
         """A training call that does not replay: the first capture, a new key's, or eager (also
         where a capture failed)."""
+        self.previous_signature = key.signature
         loss: torch.Tensor | None = None
         if action is Action.FIRST_CAPTURE:
             loss = first_capture(self, key, batch)
