@@ -230,3 +230,80 @@ def test_the_guides_diff_is_the_port_as_tested():
         applied = applied.replace(old, new)
     port = upstream.ported(text, upstream_torchvision.PORT)
     assert applied == _layout_free(port.splitlines())
+
+
+# ---------------------------------------------------------------- the GPU probe's CPU run
+def _amp_updates_probe():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks" / "probes"))
+    import torchvision_amp_updates
+
+    return torchvision_amp_updates
+
+
+def test_the_amp_updates_probe_finds_equal_runs_equal_on_the_cpu(tmp_path):
+    """benchmarks/probes/torchvision_amp_updates.py on the CPU, one epoch: the script and its
+    port (fp16 on the CPU's autocast, 12 of 14 updates skipped) part nowhere."""
+    _script()
+    out = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, str(Path(_amp_updates_probe().__file__)), "--device", "cpu",
+         "--epochs", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=RUN_S,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (result["updates"], result["first_differing_update"]) == (14, None), result
+    assert "replays=1 " in result["port_report"], result["port_report"]
+
+
+def test_the_amp_updates_probe_saves_and_reads_the_states_around_an_update(tmp_path, monkeypatch):
+    """Its second half (run on the GPU where the two sides part) on the CPU, told that the first
+    real update (the first not skipped for an overflow, from zero momentum buffers) parts: the
+    three sides' states saved after it and the update before, each side's new parameters the
+    fused kernel's arithmetic; the run without the warm-up's host-sync recording equal."""
+    _script()
+    probe = _amp_updates_probe()
+    found, first_real = probe._first_difference, []
+
+    def told(ours, theirs):
+        if not first_real:  # the first call: the original's and the port's whole runs
+            changed = probe._changed(ours)
+            first_real.append(changed.index(max(changed)) + 2)  # changed[i]: update i + 2
+            return first_real[0]
+        return found(ours, theirs)
+
+    monkeypatch.setattr(probe, "_first_difference", told)
+    result = probe.probe("sgd", 0, 1, "cpu")
+    assert result["first_differing_update"] == first_real[0] > 1, result["tensors_changed"]
+    assert result["no_sync_recording_first_differing_update"] is None
+    for side, seen in result["sides"].items():
+        matches = seen["matches"]
+        assert matches["rounded_once"] > 100 and matches["neither"] == 0, (side, seen)
+        assert sum(matches.values()) == seen["parameters"], (side, seen)
+    assert result["kernel"] == {"skipped": "no parameter differs"}
+
+
+def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():
+    """The two ways of computing ``p - lr * buf`` it names: rounded once (the fused CUDA kernel,
+    double) and with the product rounded first (float ops), on values where they differ."""
+    import torch
+
+    probe = _amp_updates_probe()
+    torch.manual_seed(0)
+    p, buf, lr = torch.randn(1000), torch.randn(1000) * 30, torch.tensor(0.02)
+    once, product = (p.double() - lr.double() * buf.double()).float(), p - lr * buf
+    assert not torch.equal(once, product)
+    before = {"model": {"w": p}, "state": {"w": {"momentum_buffer": torch.zeros(1000)}}}
+
+    def after(new):
+        group = {"lr": lr, "momentum": 0.9, "weight_decay": 0.0, "dampening": 0, "nesterov": False}
+        state = {"w": {"momentum_buffer": buf}}
+        return {"model": {"w": new}, "state": state, "groups": [group], "grads": {"w": buf}}
+
+    assert probe.arithmetic_of(before, after(once))["matches"]["rounded_once"] == 1
+    assert probe.arithmetic_of(before, after(product))["matches"]["product_rounded"] == 1
+    kernel = probe.fused_sgd_kernel_probe(
+        before, {"original": after(once), "port": after(product)}, "cpu"
+    )
+    # torch's CPU fused SGD rounds once (a fused multiply-add) whatever form the LR takes
+    assert set(kernel["gives"].values()) == {"original"}, kernel

@@ -195,6 +195,8 @@ def run(
         _cpu_snags(variant, amp)
     else:
         loader_workers_allowed()
+    if variant == "port" and os.environ.get("DDPGRAPH_PROBE_NO_SYNC_RECORD"):
+        _no_sync_recording()
     torch.serialization.add_safe_globals([argparse.Namespace])
     if keep == "times":
         import utils
@@ -287,12 +289,51 @@ def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> Non
             groups = held["optimizers"][0].param_groups
             record["lrs"].append([float(group["lr"]) for group in groups])
             record["updates"].append([sha256_of(t) for t in held["model"].state_dict().values()])
+            if str(len(record["losses"])) in os.environ.get("DDPGRAPH_PROBE_STATES_AT", "").split(
+                ","
+            ):
+                _save_states(held["model"], held["optimizers"][0], len(record["losses"]))
         update(self, **kwargs)
 
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
     if variant == "port":
         keep_the_step()
     _script_ddp(variant, device, held["optimizers"], amp)
+
+
+def _save_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, updates: int) -> None:
+    """After the ``updates``-th update, for benchmarks/probes/torchvision_amp_updates.py: the
+    model, the optimizer's per-parameter state and the gradients by parameter name, and the
+    param groups' values, into ``$DDPGRAPH_PROBE_STATES/{$DDPGRAPH_PROBE_NAME}-{updates}.pt``."""
+    names = {id(p): name for name, p in model.named_parameters()}
+
+    def cpu(value: Any) -> Any:
+        return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+    states = {
+        "model": {key: cpu(value) for key, value in model.state_dict().items()},
+        "state": {
+            names[id(p)]: {key: cpu(value) for key, value in state.items()}
+            for p, state in optimizer.state.items()
+            if id(p) in names
+        },
+        "grads": {name: cpu(p.grad) for name, p in model.named_parameters() if p.grad is not None},
+        "groups": [
+            {key: cpu(value) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ],
+    }
+    folder, name = os.environ["DDPGRAPH_PROBE_STATES"], os.environ["DDPGRAPH_PROBE_NAME"]
+    torch.save(states, os.path.join(folder, f"{name}-{updates}.pt"))
+
+
+def _no_sync_recording() -> None:
+    """The port's last warm-up step run without the host-sync recording that names a failed
+    capture's cause (``torch.cuda.set_sync_debug_mode("warn")`` around it): the probe's control."""
+    from ddpgraph.step import eager
+    from ddpgraph.step.syncs import SyncReport
+
+    eager.record_host_syncs = lambda fn: SyncReport(fn(), [])  # type: ignore[assignment]
 
 
 def _optimizers_made() -> list[torch.optim.Optimizer]:

@@ -1,0 +1,224 @@
+"""torchvision's ``train.py --amp`` as written and as ported, on one GPU: the first update where
+the two part, and whose arithmetic each side's update is.
+
+On an H100 at b726f90 (src 2ee68c1a67) the SGD set on data seed 0 parted at the 12th update, the
+first one not skipped for an overflow and the port's last warm-up step (the one whose host syncs
+are recorded): 65 of 170 parameters 1-2 ulps apart, the momentum buffers and gradients equal. The
+script's new parameters were ``p - lr * buf`` computed in double and rounded once (the fused
+kernel's arithmetic); the port's, for those 65, ``p - fl(lr * buf)`` (the product rounded to
+float first). This probe repeats that in one command and says which kernel and LR form gives
+each side, so the cause can be named:
+
+1. the original and the port (hashes of every update): the first update that differs;
+2. the original, the port and the port without the warm-up's host-sync recording
+   (``set_sync_debug_mode("warn")``), each saving its states after that update and the one before;
+3. per side, the new parameters against the two arithmetics above, counted per tensor;
+4. torch's fused SGD on the first differing tensor with the LR as a float, a CPU tensor and a
+   device tensor, inside and outside ``set_sync_debug_mode("warn")``: which matches which side.
+
+    DDPGRAPH_UPSTREAM=.upstream python benchmarks/probes/torchvision_amp_updates.py \\
+        --out tv-amp-updates.json          # SGD, data seed 0, 3 epochs, on cuda
+    ... --opt adamw --seed 2 --out ...      # the AdamW set's seed-2 difference (no step 3/4)
+
+Needs ../shared/upstream (or ``$DDPGRAPH_UPSTREAM``) and torchvision; ``--device cpu`` runs every
+part on the CPU (gloo, the CPU engine), where the two sides are expected equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+FLAG_SETS = {
+    "sgd": ["--opt", "sgd", "--lr", "0.02"],
+    "adamw": ["--opt", "adamw", "--lr", "1e-3", "--clip-grad-norm", "0.5"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--opt", choices=sorted(FLAG_SETS), default="sgd")
+    parser.add_argument("--seed", type=int, default=0, help="the data's ($DDPGRAPH_SCRIPT_SEED)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    result = probe(args.opt, args.seed, args.epochs, args.device)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "sides"}, indent=2))
+
+
+def probe(opt: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
+    from tests import upstream, upstream_torchvision
+
+    for name in upstream_torchvision.MODULES:
+        upstream.script(upstream_torchvision.FOLDER, name)
+    script = upstream.script(upstream_torchvision.FOLDER, upstream_torchvision.NAME)
+    folder = Path(tempfile.mkdtemp(prefix="tv-amp-"))
+    upstream_torchvision.make_images(folder / "images")
+    flags = ["--epochs", str(epochs), "--amp", "--use-deterministic-algorithms", *FLAG_SETS[opt]]
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "DDPGRAPH_SCRIPT_SEED": str(seed)}
+    result: dict[str, Any] = {
+        "what": "torchvision train.py --amp as written (original) and ported: the first update "
+        "that differs, and whose arithmetic each side's new parameters are",
+        "opt": opt, "seed": seed, "epochs": epochs, "device": _device_name(device),
+        "torch": torch.__version__, "src_tree": _src_tree(),
+    }  # fmt: skip
+    runs = {v: _run(folder, script, v, flags, device, env) for v in ("original", "port")}
+    first = _first_difference(runs["original"]["updates"], runs["port"]["updates"])
+    result["updates"] = len(runs["original"]["updates"])
+    result["first_differing_update"] = first  # counted from 1; None: every update equal
+    result["port_report"] = runs["port"]["report"]
+    # per update from the 2nd, the state-dict tensors it changed: a skipped (overflowed) update
+    # changes only BatchNorm's buffers, a real one the parameters too
+    result["tensors_changed"] = {v: _changed(runs[v]["updates"]) for v in ("original", "port")}
+    if first is None:
+        return result
+    at = f"{first - 1},{first}" if first > 1 else f"{first}"
+    states = Path(tempfile.mkdtemp(prefix="tv-amp-states-"))
+    sides = {"original": {}, "port": {}, "port-no-sync-recording": {"no_sync": True}}
+    for name, extra in sides.items():
+        side_env = {**env, "DDPGRAPH_PROBE_STATES": str(states), "DDPGRAPH_PROBE_NAME": name,
+                    "DDPGRAPH_PROBE_STATES_AT": at}  # fmt: skip
+        if extra:
+            side_env["DDPGRAPH_PROBE_NO_SYNC_RECORD"] = "1"
+        variant = "original" if name == "original" else "port"
+        runs[name] = _run(folder, script, variant, flags, device, side_env, out=name)
+    result["states"] = str(states)  # each side's states after updates `at` (torch.load them)
+    result["no_sync_recording_first_differing_update"] = _first_difference(
+        runs["original"]["updates"], runs["port-no-sync-recording"]["updates"]
+    )
+    before = torch.load(states / f"original-{first - 1}.pt") if first > 1 else None
+    after = {name: torch.load(states / f"{name}-{first}.pt") for name in sides}
+    result["sides"] = {name: arithmetic_of(before, after[name]) for name in sides}
+    result["kernel"] = fused_sgd_kernel_probe(before, after, device)
+    return result
+
+
+def _run(
+    folder: Path, script: Path, variant: str, flags: list[str], device: str,
+    env: dict[str, str], out: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    from ddpgraph.testing import run_distributed
+    from tests import upstream_torchvision
+
+    args = (str(folder), str(script), variant, flags, out or variant, device)
+    (record,) = run_distributed(
+        upstream_torchvision.run, 1, args=args, timeout=900, init=False, env=env
+    )
+    return record
+
+
+def _first_difference(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]]) -> Any:
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if not all(torch.equal(x, y) for x, y in zip(a, b, strict=True)):
+            return i + 1
+    return None
+
+
+def _changed(updates: list[list[torch.Tensor]]) -> list[int]:
+    return [
+        sum(not torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        for a, b in zip(updates[1:], updates[:-1], strict=True)
+    ]
+
+
+def arithmetic_of(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
+    """For an SGD-with-momentum update: per parameter, whether the new value is ``p - lr * buf``
+    computed in double and rounded once (``"rounded_once"``, the fused CUDA kernel's), or with
+    the product rounded to float first (``"product_rounded"``), or ``p`` itself (the update was
+    skipped for an overflow); ``buf`` the state after."""
+    if before is None or not all("momentum_buffer" in s for s in after["state"].values()):
+        return {"formula": "n/a (not an SGD-with-momentum update after a saved one)"}
+    lr = torch.as_tensor(after["groups"][0]["lr"]).to(torch.float32)
+    counts = {"unchanged": 0, "rounded_once": 0, "product_rounded": 0, "neither": 0}
+    for name, state in after["state"].items():
+        p, buf, new = before["model"][name], state["momentum_buffer"], after["model"][name]
+        once = (p.double() - lr.double() * buf.double()).float()
+        product = p - lr * buf
+        counts["unchanged" if torch.equal(new, p) else  # a skipped (overflowed) update
+               "rounded_once" if torch.equal(new, once) else
+               "product_rounded" if torch.equal(new, product) else "neither"] += 1  # fmt: skip
+    return {"parameters": len(after["state"]), "matches": counts}
+
+
+def fused_sgd_kernel_probe(
+    before: dict[str, Any] | None, after: dict[str, dict[str, Any]], device: str
+) -> dict[str, Any]:
+    """torch's fused SGD on the first parameter where the sides differ, from the saved state
+    before, with the LR in three forms and (CUDA) the sync-debug mode on and off: which form
+    gives which side's new value."""
+    if before is None or "momentum_buffer" not in next(iter(after["original"]["state"].values())):
+        return {"skipped": "not an SGD-with-momentum update after a saved one"}
+    ours, theirs = after["port"]["model"], after["original"]["model"]
+    name = next(
+        (n for n in after["original"]["state"] if not torch.equal(ours[n], theirs[n])), None
+    )
+    if name is None:
+        return {"skipped": "no parameter differs"}
+    group = after["original"]["groups"][0]
+    lr32 = float(torch.as_tensor(group["lr"]).float())
+    forms = {"float": lr32, "cpu tensor": torch.tensor(lr32)}
+    if device == "cuda":
+        forms["device tensor"] = torch.tensor(lr32, device=device)
+    modes = ["default", "warn"] if device == "cuda" else ["default"]
+    grad = after["original"]["grads"][name]  # unscaled: the two sides' are equal after the step
+    found: dict[str, str] = {}
+    for form, lr in forms.items():
+        for mode in modes:
+            p = before["model"][name].to(device).clone().requires_grad_(True)
+            opt = torch.optim.SGD(
+                [p], lr=lr, momentum=group["momentum"], weight_decay=group["weight_decay"],
+                dampening=group["dampening"], nesterov=group["nesterov"], fused=True,
+            )  # fmt: skip
+            # a copy: the kernel updates the buffer in place (.to() of a CPU tensor is itself)
+            buffer = before["state"][name]["momentum_buffer"]
+            opt.state[p]["momentum_buffer"] = buffer.to(device, copy=True)
+            p.grad = grad.to(device).clone()
+            _step_in_mode(opt, mode, device)
+            new = p.detach().cpu()
+            side = ("original" if torch.equal(new, theirs[name]) else
+                    "port" if torch.equal(new, ours[name]) else "neither")  # fmt: skip
+            found[f"lr as {form}, sync debug {mode}"] = side
+    return {"parameter": name, "gives": found}
+
+
+def _step_in_mode(opt: torch.optim.Optimizer, mode: str, device: str) -> None:
+    if device != "cuda":
+        opt.step()
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode(mode)  # type: ignore[arg-type]
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _src_tree() -> str:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_receipt import git_tree_hash  # type: ignore[import-not-found]
+
+    return str(git_tree_hash(ROOT / "src"))[:10]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
