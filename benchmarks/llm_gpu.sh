@@ -13,17 +13,14 @@
 # it refuses. DEVICE=cpu runs each model on the CPU through the CPU graph engine, fp32, 20 steps
 # of 2 x 64 tokens (STEPS=, BATCH=, SEQ=, WORKLOADS= change them): llm-<model>-cpu.json, marked
 # "figures": "cpu-trial" (the path and the fields, never GPU figures).
-# Wheels in .whl/ are installed first (the GPU image lacks trl, peft, datasets: gpu_wheels.sh).
+# Wheels in .whl/ are installed for the GPU run only, once the device is found (the GPU image
+# lacks trl, peft, datasets: gpu_wheels.sh builds them for its Python); the CPU trials and the
+# refusals use the environment as it is.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/ddpgraph-site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/ddpgraph-site${PYTHONPATH:+:$PYTHONPATH}"
-fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 python="${PYTHON:-python3}"
 
@@ -50,6 +47,11 @@ if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() el
   echo "llm_gpu.sh: no CUDA device here; it measures the GPU. Run it on a GPU machine, or" \
     "DEVICE=cpu MODELS=small bash benchmarks/llm_gpu.sh (SMOKE=1: tiny) for a CPU trial." >&2
   exit 2
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then  # after the refusals: wheels for the GPU's Python
+  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/ddpgraph-site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/ddpgraph-site:$PYTHONPATH"
 fi
 gpu=$("$python" -c 'import torch; print(torch.cuda.get_device_name().split()[1].lower())')
 status=0
