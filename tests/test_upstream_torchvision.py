@@ -305,5 +305,5 @@ def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():
     kernel = probe.fused_sgd_kernel_probe(
         before, {"original": after(once), "port": after(product)}, "cpu"
     )
-    # torch's CPU fused SGD rounds once (a fused multiply-add) whatever form the LR takes
+    # torch's SGD on the CPU rounds once (a fused multiply-add) on every path, whatever the LR
     assert set(kernel["gives"].values()) == {"original"}, kernel

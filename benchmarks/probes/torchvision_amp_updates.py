@@ -13,8 +13,10 @@ each side, so the cause can be named:
 2. the original, the port and the port without the warm-up's host-sync recording
    (``set_sync_debug_mode("warn")``), each saving its states after that update and the one before;
 3. per side, the new parameters against the two arithmetics above, counted per tensor;
-4. torch's fused SGD on the first differing tensor with the LR as a float, a CPU tensor and a
-   device tensor, inside and outside ``set_sync_debug_mode("warn")``: which matches which side.
+4. torch's SGD on the first differing tensor: its fused kernel with the LR as a float, a CPU
+   tensor and a device tensor, inside and outside ``set_sync_debug_mode("warn")``, and its
+   foreach and for-loop paths: which matches which side (torch's CUDA fused kernel computes
+   ``p - lr * g`` in double, rounding once).
 
     DDPGRAPH_UPSTREAM=.upstream python benchmarks/probes/torchvision_amp_updates.py \\
         --out tv-amp-updates.json          # SGD, data seed 0, 3 epochs, on cuda
@@ -156,9 +158,9 @@ def arithmetic_of(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[
 def fused_sgd_kernel_probe(
     before: dict[str, Any] | None, after: dict[str, dict[str, Any]], device: str
 ) -> dict[str, Any]:
-    """torch's fused SGD on the first parameter where the sides differ, from the saved state
-    before, with the LR in three forms and (CUDA) the sync-debug mode on and off: which form
-    gives which side's new value."""
+    """torch's SGD on the first parameter where the sides differ, from the saved state before:
+    its fused kernel with the LR in three forms and (CUDA) the sync-debug mode on and off, and
+    its foreach and for-loop paths (LR a float): which gives which side's new value."""
     if before is None or "momentum_buffer" not in next(iter(after["original"]["state"].values())):
         return {"skipped": "not an SGD-with-momentum update after a saved one"}
     ours, theirs = after["port"]["model"], after["original"]["model"]
@@ -167,31 +169,46 @@ def fused_sgd_kernel_probe(
     )
     if name is None:
         return {"skipped": "no parameter differs"}
-    group = after["original"]["groups"][0]
-    lr32 = float(torch.as_tensor(group["lr"]).float())
+    lr32 = float(torch.as_tensor(after["original"]["groups"][0]["lr"]).float())
     forms = {"float": lr32, "cpu tensor": torch.tensor(lr32)}
     if device == "cuda":
         forms["device tensor"] = torch.tensor(lr32, device=device)
     modes = ["default", "warn"] if device == "cuda" else ["default"]
-    grad = after["original"]["grads"][name]  # unscaled: the two sides' are equal after the step
     found: dict[str, str] = {}
     for form, lr in forms.items():
         for mode in modes:
-            p = before["model"][name].to(device).clone().requires_grad_(True)
-            opt = torch.optim.SGD(
-                [p], lr=lr, momentum=group["momentum"], weight_decay=group["weight_decay"],
-                dampening=group["dampening"], nesterov=group["nesterov"], fused=True,
-            )  # fmt: skip
-            # a copy: the kernel updates the buffer in place (.to() of a CPU tensor is itself)
-            buffer = before["state"][name]["momentum_buffer"]
-            opt.state[p]["momentum_buffer"] = buffer.to(device, copy=True)
-            p.grad = grad.to(device).clone()
-            _step_in_mode(opt, mode, device)
-            new = p.detach().cpu()
-            side = ("original" if torch.equal(new, theirs[name]) else
-                    "port" if torch.equal(new, ours[name]) else "neither")  # fmt: skip
-            found[f"lr as {form}, sync debug {mode}"] = side
+            new = _one_sgd_step(before, after, name, device, lr, mode, fused=True)
+            found[f"fused, lr as {form}, sync debug {mode}"] = _whose(new, name, ours, theirs)
+    for path, foreach in (("foreach", True), ("for-loop", False)):
+        new = _one_sgd_step(before, after, name, device, lr32, "default", foreach=foreach)
+        found[f"{path}, lr as float"] = _whose(new, name, ours, theirs)
     return {"parameter": name, "gives": found}
+
+
+def _one_sgd_step(
+    before: dict[str, Any], after: dict[str, dict[str, Any]], name: str, device: str,
+    lr: Any, mode: str, **path: bool,
+) -> torch.Tensor:  # fmt: skip
+    group = after["original"]["groups"][0]
+    p = before["model"][name].to(device).clone().requires_grad_(True)
+    opt = torch.optim.SGD(
+        [p], lr=lr, momentum=group["momentum"], weight_decay=group["weight_decay"],
+        dampening=group["dampening"], nesterov=group["nesterov"], **path,
+    )  # fmt: skip
+    # a copy: the step updates the buffer in place (.to() of a CPU tensor is itself)
+    opt.state[p]["momentum_buffer"] = before["state"][name]["momentum_buffer"].to(device, copy=True)
+    # unscaled: the two sides' gradients are equal after the step
+    p.grad = after["original"]["grads"][name].to(device, copy=True)
+    _step_in_mode(opt, mode, device)
+    return p.detach().cpu()
+
+
+def _whose(new: torch.Tensor, name: str, ours: dict, theirs: dict) -> str:
+    return (
+        "original"
+        if torch.equal(new, theirs[name])
+        else ("port" if torch.equal(new, ours[name]) else "neither")
+    )
 
 
 def _step_in_mode(opt: torch.optim.Optimizer, mode: str, device: str) -> None:
