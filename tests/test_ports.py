@@ -125,7 +125,8 @@ def test_gpu_report_compares_loss_curves_and_survives_missing_runs():
 
 def test_only_torchs_abort_at_exit_is_run_again_and_the_result_says_so(monkeypatch, tmp_path):
     """A worker aborting as its interpreter exits (torch's own teardown race; seen in 1 of 12
-    runs of the unmodified nanoGPT baseline) is run once more; every other failure stands."""
+    runs of the unmodified nanoGPT baseline, and twice in a row in one CI run) is run again, up
+    to twice; every other failure stands."""
 
     def fake_runs(*outcomes):
         calls = iter(outcomes)
@@ -143,9 +144,12 @@ def test_only_torchs_abort_at_exit_is_run_again_and_the_result_says_so(monkeypat
     monkeypatch.setattr(runner, "_run_once", fake_runs(aborted, (None, None)))
     result = runner.run(port, "baseline", tmp_path, nproc=2, mode="cpu", timeout=5)
     assert result.error is None and "SIGABRT" in result.retried
-    monkeypatch.setattr(runner, "_run_once", fake_runs(aborted, aborted))
+    monkeypatch.setattr(runner, "_run_once", fake_runs(aborted, aborted, (None, None)))
     result = runner.run(port, "baseline", tmp_path, nproc=2, mode="cpu", timeout=5)
-    assert "SIGABRT" in result.error  # a second abort is the result
+    assert result.error is None and result.retried.startswith("2 run(s) died at exit")
+    monkeypatch.setattr(runner, "_run_once", fake_runs(aborted, aborted, aborted))
+    result = runner.run(port, "baseline", tmp_path, nproc=2, mode="cpu", timeout=5)
+    assert "SIGABRT" in result.error  # an abort on the last run is the result
     other = ("exit 1: RuntimeError: boom", "Traceback ... RuntimeError: boom")
     monkeypatch.setattr(runner, "_run_once", fake_runs(other, (None, None)))
     result = runner.run(port, "baseline", tmp_path, nproc=2, mode="cpu", timeout=5)
