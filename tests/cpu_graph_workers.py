@@ -18,6 +18,20 @@ def _batchnorm_model() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
 
 
+def _script_ddp_loop(data: list[tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+    """The script's own DDP loop over ``data`` with the graph-safe AdamW the step steps; the
+    model it trained."""
+    ref = _batchnorm_model()
+    ddp = nn.parallel.DistributedDataParallel(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    make_graph_safe(opt, torch.device("cpu"))
+    for x, y in data:
+        opt.zero_grad(set_to_none=False)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return ref
+
+
 def ddp_batchnorm_replays() -> dict:
     """TrainStep with the CPU engine against the script's own DDP loop (the same graph-safe
     AdamW): every rank's own data, BatchNorm's buffers broadcast from rank 0 each forward."""
@@ -30,14 +44,7 @@ def ddp_batchnorm_replays() -> dict:
     )  # fmt: skip
     for x, y in data:
         step(x, y)
-    ref = _batchnorm_model()
-    ddp = nn.parallel.DistributedDataParallel(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    make_graph_safe(opt, torch.device("cpu"))
-    for x, y in data:
-        opt.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    ref = _script_ddp_loop(data)
     params = zip(model.parameters(), ref.parameters(), strict=True)
     buffers = zip(model.buffers(), ref.buffers(), strict=True)
     return {
@@ -113,14 +120,7 @@ def ddp_ranks_disagree_on_the_short_batch() -> dict:
     )  # fmt: skip
     for x, y in data[:16]:
         step(x, y)
-    ref = _batchnorm_model()
-    ddp = nn.parallel.DistributedDataParallel(ref)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    make_graph_safe(opt, torch.device("cpu"))
-    for x, y in data[:16]:
-        opt.zero_grad(set_to_none=False)
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    ref = _script_ddp_loop(data[:16])
     report = step.report()
     return {
         "captured_at": [c.at_step for c in report.captures],

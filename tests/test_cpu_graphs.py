@@ -472,7 +472,7 @@ def test_a_warmup_that_ends_on_an_epochs_short_batch_still_replays_the_full_batc
     one, 14 the first after it), so the full batches replay and only the tails run eagerly.
     Seen on an H100 in complete_cv_example.py (800 images in batches of 64, warm-up 12): the
     graph fixed on the epoch's tail, 36 of 39 steps eager (`eager=36 replays=3` here too
-    before the wait; strict xfail until 58)."""
+    before the wait, when this test was a strict xfail)."""
     torch.manual_seed(0)
     model = make_model()
     step = graphed(model, sgd(model), nn.CrossEntropyLoss())

@@ -269,6 +269,8 @@ def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> Non
 
     held: dict[str, Any] = {"optimizers": _optimizers_made()}
     set_weight_decay = utils.set_weight_decay
+    # after which updates benchmarks/probes/torchvision_amp_updates.py saves the states
+    save_at = {int(n) for n in os.environ.get("DDPGRAPH_PROBE_STATES_AT", "").split(",") if n}
 
     def weight_decay_of(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         held["model"] = model  # the bare module, before any wrapper
@@ -289,9 +291,7 @@ def _record(record: dict[str, Any], variant: str, device: str, amp: bool) -> Non
             groups = held["optimizers"][0].param_groups
             record["lrs"].append([float(group["lr"]) for group in groups])
             record["updates"].append([sha256_of(t) for t in held["model"].state_dict().values()])
-            if str(len(record["losses"])) in os.environ.get("DDPGRAPH_PROBE_STATES_AT", "").split(
-                ","
-            ):
+            if len(record["losses"]) in save_at:
                 _save_states(held["model"], held["optimizers"][0], len(record["losses"]))
         update(self, **kwargs)
 

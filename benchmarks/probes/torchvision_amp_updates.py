@@ -89,11 +89,11 @@ def probe(opt: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
         return result
     at = f"{first - 1},{first}" if first > 1 else f"{first}"
     states = Path(tempfile.mkdtemp(prefix="tv-amp-states-"))
-    sides = {"original": {}, "port": {}, "port-no-sync-recording": {"no_sync": True}}
-    for name, extra in sides.items():
+    sides = ("original", "port", "port-no-sync-recording")
+    for name in sides:
         side_env = {**env, "DDPGRAPH_PROBE_STATES": str(states), "DDPGRAPH_PROBE_NAME": name,
                     "DDPGRAPH_PROBE_STATES_AT": at}  # fmt: skip
-        if extra:
+        if name == "port-no-sync-recording":
             side_env["DDPGRAPH_PROBE_NO_SYNC_RECORD"] = "1"
         variant = "original" if name == "original" else "port"
         runs[name] = _run(folder, script, variant, flags, device, side_env, out=name)
