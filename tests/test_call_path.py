@@ -124,6 +124,23 @@ def test_the_host_time_probe_runs_on_this_tree(tmp_path):
     assert row["layers"] == 2 and row["added_us"] > 0 and row["bare_us"] > 0, row
 
 
+def test_a_keys_plain_leaves_equal_and_hash_as_the_reports_named_ones():
+    """A replayed call builds its signature's leaves as plain tuples (a C-level zip: a named
+    tuple's constructor is a Python frame per tensor); ``report().captures`` shows them named
+    (``signature.leaves[0].shape``). Both forms must find the same graph."""
+    import torch
+
+    from ddpgraph.step.batch import Leaf, make_batch, named
+
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    plain = make_batch((x, y), min_positional=2).signature
+    shown = named(plain)
+    assert shown == plain and hash(shown) == hash(plain)
+    assert {plain: "graph"}[shown] == "graph"
+    assert all(type(leaf) is Leaf for leaf in shown.leaves)
+    assert shown.leaves[0].shape == (4, 8) and shown.leaves[1].dtype == torch.int64
+
+
 def _members(cls: type) -> set[str]:
     """The public names a class body states: its annotated attributes and its functions."""
     own = set(inspect.get_annotations(cls)) | {

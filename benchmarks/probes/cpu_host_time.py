@@ -73,8 +73,10 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
         for _ in range(30):
             step(x, y)
     engine = _engine(step)
-    (key,) = [k for k in engine._programs if k.role == "train"]
-    program = engine._programs[key]
+    (key,) = [k for k in engine.captured if k.role == "train"]
+    # the recorded program: the graph of its entry (before 2026-12-06, a dict of its own)
+    programs = getattr(engine, "_programs", None)
+    program = engine.captured[key].graph if programs is None else programs[key]
     static = engine.captured[key].static_inputs
     inner = program.replay
     rows: dict[str, list[float]] = {"added": [], "added_cpu": [], "bare": [], "clone": []}

@@ -84,11 +84,12 @@ def capture_and_replay(run: RunContext, key: GraphKey, batch: Batch) -> torch.Te
 def replay(run: RunContext, key: GraphKey, batch: Batch) -> torch.Tensor | None:
     """Replay ``key``'s graph just captured; None when it has none, or when what the script
     changed asks for a re-capture."""
-    replayed = run.graphs_or_fail().replay(key, batch)
-    if not replayed.replayed:
+    graphs = run.graphs_or_fail()
+    captured = graphs.captured.get(key)
+    if captured is None:
         return None
     loss: torch.Tensor
-    loss, run.output, run.grad_norm = replayed.output
+    loss, run.output, run.grad_norm = graphs.replay(captured, batch)
     run.report.replays += 1
     # a copy the script may keep (as an eager step's): the next replay overwrites the graph's
     # own, and scripts append losses to a list and average them at the end of a window

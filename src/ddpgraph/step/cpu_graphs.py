@@ -15,18 +15,18 @@ engine's (:mod:`.graphs`, which this module does not import).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from operator import is_
 from typing import Any
 
 import torch
 
-from .batch import Batch, GraphKey
+from .batch import Batch, GraphKey, named
 from .capture_errors import first_capture_error
-from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
+from .engine import CapturedGraph, CaptureFailure, GraphSet, ReplayHook
 from .graph_table import GraphTable
 from .optim import GraphSafeOptimizer, lr_of
-from .recording import Program, record
+from .recording import record
 
 __all__ = ["CpuGraphSet", "CpuGraphs"]
 
@@ -52,14 +52,14 @@ class CpuGraphs:
 
 
 class CpuGraphSet(GraphTable):
-    """Graphs whose graph is a recorded :class:`~ddpgraph.step.recording.Program`."""
+    """Graphs whose graph is a recorded :class:`~ddpgraph.step.recording.Program` (replayed as
+    a CUDA graph is: ``captured.graph.replay()``)."""
 
     engine = CpuGraphs.name
 
     def __init__(self, plan: GraphSafeOptimizer, fail: FailWhen) -> None:
         super().__init__(plan, torch.device("cpu"))
         self._fail = fail
-        self._programs: dict[GraphKey, Program] = {}
 
     def register_replay_hook(self, hook: ReplayHook) -> None:
         """Ignored: a replay hook records on a CUDA stream (the watchdog's event), and the CPU
@@ -68,7 +68,7 @@ class CpuGraphSet(GraphTable):
     def capture(
         self, key: GraphKey, batch: Batch, body: Callable[[Batch], Any]
     ) -> CapturedGraph | CaptureFailure:
-        if self._fail(key):
+        if self._fail(key._replace(signature=named(key.signature))):  # leaves[0].shape
             self.uncapturable.add(key)
             return CaptureFailure(f"capture failed: FakeCaptureError: injected for {key!r}")
         static = batch.with_tensors([t.clone() for t in batch.tensors])
@@ -78,27 +78,22 @@ class CpuGraphSet(GraphTable):
         except Exception as exc:
             self.uncapturable.add(key)
             return CaptureFailure(first_capture_error(exc))
-        captured = CapturedGraph(None, static.tensors, output)
+        captured = CapturedGraph(program, static.tensors, output)
         self.captured[key] = captured
-        self._programs[key] = program
         return captured
 
-    def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        captured = self.captured.get(key)
-        if captured is None:
-            return Replayed(None)
+    def replay(self, captured: CapturedGraph, batch: Batch) -> Any:
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
             plan.sync_lr()  # as CudaGraphSet.replay: the LR the script set since
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor)
-        self._programs[key].replay()
-        return Replayed(captured.output, replayed=True)
+        captured.graph.replay()
+        return captured.output
 
-    def _forget(self, keys: Sequence[GraphKey]) -> None:
-        for key in keys:
-            del self._programs[key]
+    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
+        """None: a recorded program is no CUDA graph to time."""
+        return None
 
     def close(self) -> None:
         self.captured.clear()
-        self._programs.clear()

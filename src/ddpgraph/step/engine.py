@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,16 +23,23 @@ from .batch import Batch, GraphKey, Role
 if TYPE_CHECKING:
     from .optim import GraphSafeOptimizer
 
-__all__ = ["CaptureFailure", "CapturedGraph", "GraphEngine", "GraphSet", "ReplayHook", "Replayed"]
+__all__ = ["CaptureFailure", "CapturedGraph", "GraphEngine", "GraphSet", "ReplayHook", "Replayable"]
 
 ReplayHook = Callable[[torch.cuda.Stream], None]
+
+
+class Replayable(Protocol):
+    """What a captured graph is to its set: something to replay (a ``torch.cuda.CUDAGraph``, or
+    the CPU stand-in's recorded :class:`~.recording.Program`)."""
+
+    def replay(self) -> None: ...
 
 
 @dataclass
 class CapturedGraph:
     """A graph, the buffers it reads its inputs from, and what it returns (graph-owned)."""
 
-    graph: torch.cuda.CUDAGraph | None  # None: the CPU stand-in's
+    graph: Replayable
     static_inputs: tuple[torch.Tensor, ...]
     output: Any
 
@@ -44,19 +51,11 @@ class CaptureFailure:
     reason: str
 
 
-class Replayed(NamedTuple):
-    """What :meth:`GraphSet.replay` did: the graph's output (None: no graph of this key). A named
-    tuple: built in C on every replayed call."""
-
-    output: Any
-    replayed: bool = False
-
-
 class GraphSet(Protocol):
     """The graphs of one TrainStep by key, as its runner uses them.
 
-    ``captured`` and ``uncapturable`` are read on every call (``key in graphs.captured``: no
-    frame); ``plan`` is the optimizer made graph-safe (its LR tensors, which the graphs read).
+    ``captured`` and ``uncapturable`` are read on every call (``graphs.captured.get(key)``: no
+    frame; the graph found is what :meth:`replay` takes); ``plan`` is the optimizer made graph-safe (its LR tensors, which the graphs read).
     """
 
     @property
@@ -86,8 +85,9 @@ class GraphSet(Protocol):
         the graph under ``key``; a failure adds ``key`` to :attr:`uncapturable`."""
         ...
 
-    def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        """Replay the graph of ``key`` on ``batch`` (the LR the script set since picked up)."""
+    def replay(self, captured: CapturedGraph, batch: Batch) -> Any:
+        """Replay ``captured`` (one of :attr:`captured`'s values, looked up once by the caller)
+        on ``batch``, the LR the script set since picked up; its output, graph-owned."""
         ...
 
     def drop_training(self) -> int:

@@ -59,11 +59,10 @@ def _evaluate(run: RunContext, batch: Batch) -> tuple[bool, Any]:
             parallel.sync_buffers()
     if run.graphs is not None and key not in run.graphs.captured and _capture_due(run, key):
         _capture(run, key, batch)
-    if run.graphs is not None and key in run.graphs.captured:
-        replayed = run.graphs.replay(key, batch)
-        if replayed.replayed:
-            run.report.eval_replays += 1
-            return seen is not None, replayed.output
+    captured = None if run.graphs is None else run.graphs.captured.get(key)
+    if captured is not None and run.graphs is not None:
+        run.report.eval_replays += 1
+        return seen is not None, run.graphs.replay(captured, batch)
     with on_stream(run.stream):
         return True, run.body.forward_eval(run.to_device(batch))
 

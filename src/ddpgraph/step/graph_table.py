@@ -34,14 +34,6 @@ class GraphTable:
         """The keys of ``role`` ("train", "micro" or "eval"), oldest first."""
         return [key for key in self.captured if key.role == role]
 
-    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
-        """The first training graph of a batch of tensors (a ``step(data)`` graph gathers at a
-        device cursor only ``step(data)`` keeps in range), for benchmarks; None if none."""
-        for key in self.keys_of("train"):
-            if not key.reads_device_data:
-                return self.captured[key].graph
-        return None
-
     def make_optimizer_safe_again(self) -> None:
         """After a reload: a loaded param group may say capturable=False or foreach SGD."""
         make_graph_safe(self.plan.optimizer, self.device)

@@ -18,14 +18,14 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from operator import is_
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .._globals import Global, process_global
 from .batch import Batch, GraphKey
 from .capture_errors import first_capture_error
-from .engine import CapturedGraph, CaptureFailure, GraphSet, Replayed, ReplayHook
+from .engine import CapturedGraph, CaptureFailure, GraphSet, ReplayHook
 from .graph_table import GraphTable
 from .optim import GraphSafeOptimizer, lr_of
 from .streams import capture_stream
@@ -47,7 +47,7 @@ class CudaGraphSet(GraphTable):
     """Every CUDA graph of one TrainStep by key, their pool, static buffers and replay hooks.
 
     ``capture(key, batch, body)`` records ``body(static_batch)`` on the capture stream (running
-    nothing) and keeps the graph; ``replay(key, batch)`` syncs the LR tensors, copies the batch
+    nothing) and keeps the graph; ``replay(captured, batch)`` syncs the LR tensors, copies the batch
     into the static inputs, replays and runs the hooks (what a script changed since the last
     call was found before, by the step's :class:`~.guard.Guard`). ``close()`` drops every graph
     and the pool, so the memory returns to PyTorch's allocator.
@@ -99,26 +99,29 @@ class CudaGraphSet(GraphTable):
         return captured
 
     # ------------------------------------------------------------------ replay
-    def replay(self, key: GraphKey, batch: Batch) -> Replayed:
-        """Replay the graph of ``key`` on ``batch``; nothing when there is none (a re-capture
-        is due). The output is graph-owned (overwritten by the next replay of this key)."""
-        captured = self.captured.get(key)
-        if captured is None:
-            return Replayed(None)
-        self._launch(captured, batch)
-        return Replayed(captured.output, replayed=True)
-
-    def _launch(self, captured: CapturedGraph, batch: Batch) -> None:
-        assert captured.graph is not None
+    def replay(self, captured: CapturedGraph, batch: Batch) -> Any:
+        """Replay ``captured`` (looked up by the caller) on ``batch``; its output, graph-owned
+        (overwritten by the next replay of this graph)."""
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
             plan.sync_lr()  # a float the script or a scheduler set since (C-level test: no call)
         for static, tensor in zip(captured.static_inputs, batch.tensors):
             static.copy_(tensor, non_blocking=True)
         captured.graph.replay()
-        stream = _current_stream(self._index)  # where the replay ran: the caller's stream
-        for hook in self._hooks:
-            hook(stream)
+        hooks = self._hooks
+        if hooks:
+            stream = _current_stream(self._index)  # where the replay ran: the caller's stream
+            for hook in hooks:
+                hook(stream)
+        return captured.output
+
+    def bare_graph(self) -> torch.cuda.CUDAGraph | None:
+        """The first training graph of a batch of tensors (a ``step(data)`` graph gathers at a
+        device cursor only ``step(data)`` keeps in range), for benchmarks; None if none."""
+        for key in self.keys_of("train"):
+            if not key.reads_device_data:
+                return cast(torch.cuda.CUDAGraph, self.captured[key].graph)
+        return None
 
     # ----------------------------------------------------------------- dropping
     def _forget(self, keys: Sequence[GraphKey]) -> None:

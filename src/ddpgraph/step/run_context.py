@@ -25,7 +25,7 @@ from .._log import get_logger
 from ..distributed import watchdog
 from ..errors import CaptureError
 from ..facts import DEFAULT_WARMUP
-from .batch import Batch, GraphKey, Signature, describe
+from .batch import Batch, GraphKey, Signature, describe, named
 from .body import StepBody
 from .engine import CapturedGraph, CaptureFailure, GraphSet
 from .events import changes as _changes
@@ -186,7 +186,7 @@ class RunContext:
             self.set(signatures=self.state.signatures | {key.signature})
         words = mode_words(key.modes) if key.trains else ""
         self.report.captures.append(
-            CaptureRecord(key.signature, self.report.steps, seconds, key.role + words)
+            CaptureRecord(named(key.signature), self.report.steps, seconds, key.role + words)
         )
         get_logger().info(
             "TrainStep captured %s%s %s in %.0f ms",

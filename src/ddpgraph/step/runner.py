@@ -101,13 +101,15 @@ class Runner(RunContext):
                 self.modes_at = _changes[0]
             key = GraphKey(role, modes, batch.signature, win.length)
             graphs = self.graphs
+            # the one lookup of the key: the graph found is the one replayed
+            captured = None if graphs is None else graphs.captured.get(key)
             action = decide(
                 self.plan,
                 self.state,
                 Call(
                     key.signature,
-                    graphs is not None and key in graphs.captured,
-                    graphs is not None and key in graphs.uncapturable,
+                    captured is not None,
+                    captured is None and graphs is not None and key in graphs.uncapturable,
                     self.report.eager_steps,
                     win.micro_batches != 0,
                     self._ready,
@@ -115,8 +117,8 @@ class Runner(RunContext):
                     self._agree,
                 ),
             )
-            if action is Action.REPLAY and graphs is not None:
-                loss, self.output, self.grad_norm = graphs.replay(key, batch).output
+            if action is Action.REPLAY and captured is not None and graphs is not None:
+                loss, self.output, self.grad_norm = graphs.replay(captured, batch)
                 self.report.replays += 1
                 # a copy the script may keep (as an eager step's): the next replay overwrites
                 # the graph's own, and scripts append losses to a list
