@@ -41,6 +41,10 @@ from .streams import on_stream
 
 __all__ = ["Runner"]
 
+# A named tuple's own constructor is a Python frame (0.1-0.2 us each); tuple.__new__ builds the
+# same tuple in C (GraphKey and Call are made on every replayed call; watchdog.enter does this too)
+_record = tuple.__new__
+
 
 class Runner(RunContext):
     """Runs each call of one TrainStep: eagerly, by capturing, or by replaying its graph (built
@@ -99,22 +103,25 @@ class Runner(RunContext):
             ):  # every submodule's mode keys the graphs (C-level: no frame each)
                 self.seen_modes = modes = tuple(map(training_of, submodules))
                 self.modes_at = _changes[0]
-            key = GraphKey(role, modes, batch.signature, win.length)
+            key = _record(GraphKey, (role, modes, batch.signature, win.length))
             graphs = self.graphs
             # the one lookup of the key: the graph found is the one replayed
             captured = None if graphs is None else graphs.captured.get(key)
             action = decide(
                 self.plan,
                 self.state,
-                Call(
-                    key.signature,
-                    captured is not None,
-                    captured is None and graphs is not None and key in graphs.uncapturable,
-                    self.report.eager_steps,
-                    win.micro_batches != 0,
-                    self._ready,
-                    self.previous_signature,
-                    self._agree,
+                _record(
+                    Call,
+                    (
+                        key.signature,
+                        captured is not None,
+                        captured is None and graphs is not None and key in graphs.uncapturable,
+                        self.report.eager_steps,
+                        win.micro_batches != 0,
+                        self._ready,
+                        self.previous_signature,
+                        self._agree,
+                    ),
                 ),
             )
             if action is Action.REPLAY and captured is not None and graphs is not None:
