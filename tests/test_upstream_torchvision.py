@@ -260,7 +260,8 @@ def test_the_amp_updates_probe_saves_and_reads_the_states_around_an_update(tmp_p
     """Its second half (run on the GPU where the two sides part) on the CPU, told that the first
     real update (the first not skipped for an overflow, from zero momentum buffers) parts: the
     three sides' states saved after it and the update before, each side's new parameters the
-    fused kernel's arithmetic; the run without the warm-up's host-sync recording equal."""
+    fused kernel's arithmetic; the run without the warm-up's host-sync recording equal; each
+    side's one write into the parameters in that batch, named."""
     _script()
     probe = _amp_updates_probe()
     found, first_real = probe._first_difference, []
@@ -281,6 +282,12 @@ def test_the_amp_updates_probe_saves_and_reads_the_states_around_an_update(tmp_p
         assert matches["rounded_once"] > 100 and matches["neither"] == 0, (side, seen)
         assert sum(matches.values()) == seen["parameters"], (side, seen)
     assert result["kernel"] == {"skipped": "no parameter differs"}
+    for side, writes in result["parameter_writes"].items():
+        # the update's one write into the parameters, the graph-safe optimizer's fused kernel
+        group, *ops = writes
+        assert group["param_group"]["fused"] is True, (side, group)
+        assert [w["op"] for w in ops] == ["aten._fused_sgd_.tensor_lr"], (side, writes)
+        assert ops[0]["capturing"] is False and ops[0]["scalars"]["momentum"] == 0.9, ops
 
 
 def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():

@@ -16,7 +16,9 @@ each side, so the cause can be named:
 4. torch's SGD on the first differing tensor: its fused kernel with the LR as a float, a CPU
    tensor and a device tensor, inside and outside ``set_sync_debug_mode("warn")``, and its
    foreach and for-loop paths: which matches which side (torch's CUDA fused kernel computes
-   ``p - lr * g`` in double, rounding once).
+   ``p - lr * g`` in double, rounding once);
+5. per side, every op that wrote into a parameter's memory during that training batch
+   (``parameter_writes``: the op, its scalar arguments, whether a capture was under way).
 
     DDPGRAPH_UPSTREAM=.upstream python benchmarks/probes/torchvision_amp_updates.py \\
         --out tv-amp-updates.json          # SGD, data seed 0, 3 epochs, on cuda
@@ -105,7 +107,85 @@ def probe(opt: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
     after = {name: torch.load(states / f"{name}-{first}.pt") for name in sides}
     result["sides"] = {name: arithmetic_of(before, after[name]) for name in sides}
     result["kernel"] = fused_sgd_kernel_probe(before, after, device)
+    result["parameter_writes"] = {
+        variant: param_writes(folder, script, variant, flags, device, env, first)
+        for variant in ("original", "port")
+    }
     return result
+
+
+def param_writes(
+    folder: Path, script: Path, variant: str, flags: list[str], device: str,
+    env: dict[str, str], update: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Every op that writes into a parameter's memory during training batch ``update`` (from
+    the script's ``metric_logger.update(..., lr=...)`` after batch ``update - 1`` to the one
+    after it), with its scalar arguments and whether a CUDA capture was under way; first the
+    optimizer's param-group values: the op that made one side's update."""
+    from ddpgraph.testing import run_distributed
+
+    args = (str(folder), str(script), variant, flags, f"writes-{variant}", device, update)
+    (writes,) = run_distributed(_param_writes_worker, 1, args=args, timeout=900, init=False,
+                                env=env)  # fmt: skip
+    return writes
+
+
+def _param_writes_worker(
+    base: str, script: str, variant: str, flags: list[str], out: str, device: str, update: int
+) -> list[dict[str, Any]]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests import upstream_torchvision
+
+    writes: list[dict[str, Any]] = []
+    storages: set[int] = set()
+
+    class ParamWrites(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            if func._schema.is_mutable and any(
+                isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages
+                for t in leaves
+            ):
+                capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
+                plain = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float))}
+                writes.append({"op": str(func), "scalars": plain, "capturing": capturing})
+            return func(*args, **kwargs)
+
+    made = upstream_torchvision._optimizers_made()  # the script's optimizer is the first
+    sys.path.insert(0, str(Path(script).parent))
+    import utils  # the script's own, which it imports from its folder
+
+    inner = utils.MetricLogger.update
+    mode = ParamWrites()
+    batches = [0]
+
+    def logged(self: Any, **kwargs: Any) -> None:
+        if "lr" in kwargs:  # a training batch, after its update
+            batches[0] += 1
+            if batches[0] == update - 1:
+                groups = made[0].param_groups
+                storages.update(p.untyped_storage().data_ptr() for g in groups for p in g["params"])
+                writes.append({"param_group": _group_words(groups[0])})
+                mode.__enter__()
+            elif batches[0] == update:
+                mode.__exit__(None, None, None)
+        inner(self, **kwargs)
+
+    utils.MetricLogger.update = logged  # type: ignore[method-assign]
+    upstream_torchvision.run(base, script, variant, flags, out, device)
+    return writes
+
+
+def _group_words(group: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: (
+            f"{value.dtype} tensor on {value.device}" if isinstance(value, torch.Tensor) else value
+        )
+        for key, value in group.items()
+        if key != "params" and isinstance(value, (bool, int, float, torch.Tensor, type(None)))
+    }
 
 
 def _run(

@@ -52,6 +52,8 @@ def eager(run: RunContext, batch: Batch) -> torch.Tensor:
         run.gate.count_forwards(n)
     if run.state.hold_off:
         run.set(hold_off=max(0, run.state.hold_off - n))
+        if run.follower.still_changing():
+            run.set(hold_off=1)
     run.output = detached(out.output)
     run.grad_norm = out.grad_norm
     return out.loss

@@ -7,7 +7,7 @@ before anything of the call runs, called only when the guard found something.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from .._log import get_logger
 from ..errors import ConfigError
 from .engine import GraphSet
 from .guard import Guard, Seen
+from .optim import hyperparameters
 from .options import warn_at_user_line
 from .parallel import Recovery
 from .report import StepReport
@@ -52,6 +53,7 @@ class Follower:
         stream: torch.cuda.Stream | None,
         *,
         events_only: bool = False,
+        calls_per_update: int = 1,
     ) -> None:
         self._parallel = parallel
         self._graphs = graphs
@@ -63,6 +65,12 @@ class Follower:
         # a requires_grad changed: the wrapper follows at the next training call (rebuilding
         # it is a collective; an evaluation may be rank-local)
         self.trainable_changed = False
+        # a baked-in value rewritten before every update (OneCycleLR's momentum or betas): the
+        # step runs eagerly while it keeps changing (see :meth:`still_changing`)
+        self.values_held: list[dict[str, Hashable]] | None = None
+        self._held_at = 0  # the call that found it changing at every update
+        self._values_recaptured_at = -10  # the call whose graphs the last such change dropped
+        self._calls_per_update = calls_per_update
 
     def _roots(self) -> tuple[nn.Module, ...]:
         """The modules a call runs: the script's module, and the wrapper around it."""
@@ -106,10 +114,59 @@ class Follower:
                 if not param.requires_grad:
                     param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
         dropped = self.drop_training()
+        if found.values_changed and self._changed_every_update():
+            self._hold_while_changing()
+            return
+        if found.values_changed:
+            self._values_recaptured_at = self._report.steps
         warn_at_user_line(
             f"TrainStep re-captures its {dropped} training graph(s): {'; '.join(news)}."
         )
         self._report.recaptures.extend(news)
+
+    def _changed_every_update(self) -> bool:
+        """The graphs this change drops were captured for the last one, an update ago."""
+        return self._report.steps - self._values_recaptured_at <= self._calls_per_update
+
+    def _hold_while_changing(self) -> None:
+        """Run eagerly while the baked-in values change at every update: a capture costs more
+        than the eager step it would replace once (on an H100, complete_cv_example.py under
+        OneCycleLR: 13-17 ms a capture against a 23 ms step; captured each step the port ran at
+        0.59x the script), so a capture per update is never worth it."""
+        assert self._graphs is not None  # only graphs re-capture
+        self.values_held = hyperparameters(self._graphs.plan.optimizer)
+        self._held_at = self._report.steps
+        warn_at_user_line(
+            "TrainStep runs eagerly while an optimizer param-group value it bakes into its "
+            "graphs changes before every update (a scheduler rewriting it, as "
+            "OneCycleLR(cycle_momentum=True) does SGD's momentum or Adam's betas): a capture "
+            "per update costs more than the eager step; it captures again once the values "
+            "hold still for an update. To keep the step graphed, keep them fixed "
+            "(OneCycleLR(..., cycle_momentum=False), CyclicLR(..., cycle_momentum=False))."
+        )
+        self._report.recaptures.append(
+            "held eager: an optimizer param-group value changes before every update"
+        )
+
+    def still_changing(self) -> bool:
+        """After an eager call while :attr:`values_held`: whether the baked-in values changed
+        since the last call (the step then stays eager for the next); False ends the hold, and
+        the next call captures again."""
+        if self.values_held is None or self._graphs is None:
+            return False
+        if self._report.steps - self._held_at < self._calls_per_update:
+            return True  # the update that found them changing: compared from the next on
+        now = hyperparameters(self._graphs.plan.optimizer)
+        if now != self.values_held:
+            self.values_held = now
+            self._held_at = self._report.steps
+            return True
+        self.values_held = None
+        get_logger().info(
+            "TrainStep: the optimizer's param-group values held still for an update: it "
+            "captures again"
+        )
+        return False
 
     def _follow_model(self, found: Seen, graphed: bool) -> None:
         if found.moved or found.replaced:

@@ -60,7 +60,8 @@ class Seen:
     is captured): ``optimizer``: what changed, in words (a reload is already copied back into
     the captured tensors); ``recapture``: the graphs read something that changed (a param-group
     value, ``requires_grad``, a state tensor that cannot be put back); ``trainable_changed``:
-    a parameter's ``requires_grad`` (the wrapper follows it).
+    a parameter's ``requires_grad`` (the wrapper follows it); ``values_changed``: a param-group
+    value the graphs bake in (``momentum``, ``betas``; not the LR, which they read from a tensor).
     """
 
     moved: list[str] = field(default_factory=list)
@@ -70,6 +71,7 @@ class Seen:
     optimizer: list[str] = field(default_factory=list)
     recapture: bool = False
     trainable_changed: bool = False
+    values_changed: bool = False  # a param-group value (momentum, betas, ...) the graphs bake in
 
     def __bool__(self) -> bool:
         return bool(
@@ -415,7 +417,7 @@ class OptimizerBaseline:
             groups = hyperparameters(self.optimizer)
             if groups != self._groups:
                 found.optimizer.append(describe_group_changes(self.optimizer, self._groups, groups))
-                found.recapture = True
+                found.recapture = found.values_changed = True
             else:  # new objects of equal values (a scheduler writing momentum): the new baseline
                 self._index_groups()
 

@@ -436,9 +436,10 @@ def describe_group_changes(
     after: list[dict[str, Hashable]],
 ) -> str:
     """What changed between two :func:`hyperparameters` readings, for the re-capture warning:
-    the first time a value changes, its group, key, both values, that each later change
-    re-captures again (a scheduler that rewrites it per step: a capture per step) and the fix;
-    later changes of the same value in a stable line (Python shows a warning once per text)."""
+    the first time a value changes, its group, key, both values, that a change re-captures
+    and a change before every update keeps the step eager (:class:`~.follow.Follower`), and
+    the fix; later changes of the same value in a stable line (Python shows a warning once per
+    text)."""
     described = _DESCRIBED.setdefault(optimizer, set())
     lines = []
     for g, (old, new) in enumerate(zip(before, after)):
@@ -448,8 +449,7 @@ def describe_group_changes(
             if (g, key) in described:  # one stable text: Python shows it once
                 lines.append(
                     f"optimizer param group {g}'s {key!r} changed again, and each change "
-                    f"re-captures: a value a scheduler rewrites before every step makes a "
-                    f"capture per step and no replay; {_fix_for(key)}"
+                    f"re-captures; {_fix_for(key)}"
                 )
             else:
                 described.add((g, key))
@@ -469,9 +469,10 @@ def _baked_value_changed(
     )
     return (
         f"optimizer param group {g}'s {key!r} changed from {old!r} to {new!r}; torch's {name} "
-        f"takes it only as a number, which a graph bakes in, so the step re-captures at every "
-        f"change of it (a scheduler that rewrites it before every step, {example}, makes that "
-        f"one capture per step); {_fix_for(key)}"
+        f"takes it only as a number, which a graph bakes in, so the step re-captures at a "
+        f"change of it, and runs eagerly while it changes before every update (a scheduler "
+        f"rewriting it, {example}: a capture per update costs more than the eager step); "
+        f"{_fix_for(key)}"
     )
 
 

@@ -97,8 +97,9 @@ class RunContext:
         # what a script or framework changes in the model between calls
         events_only = options.guard == "events"
         self.follower = Follower(
-            lambda: self.recovery, graphs, report, device, stream, events_only=events_only
-        )
+            lambda: self.recovery, graphs, report, device, stream, events_only=events_only,
+            calls_per_update=options.accumulate_calls,
+        )  # fmt: skip
         # guard="events" while graphed: the submodules' modes re-read only when the events'
         # count moved since they were last read (any module's train() / eval(); the runner's own
         # snapshot: a check by evaluate() or update() in between must not hide it) or the
@@ -162,6 +163,8 @@ class RunContext:
         follower = self.follower
         if seen is not None:
             follower.follow(seen, graphed=self.state.phase is Phase.GRAPHED)
+            if follower.values_held is not None and not self.state.hold_off:
+                self.set(hold_off=1)  # eager while the values change (Follower.still_changing)
         if training and follower.storage_moved:
             follower.follow_storage()
 
