@@ -55,7 +55,8 @@ class GraphSet(Protocol):
     """The graphs of one TrainStep by key, as its runner uses them.
 
     ``captured`` and ``uncapturable`` are read on every call (``graphs.captured.get(key)``: no
-    frame; the graph found is what :meth:`replay` takes); ``plan`` is the optimizer made graph-safe (its LR tensors, which the graphs read).
+    frame; the graph found is what :meth:`replay` takes); ``plan`` is the optimizer made
+    graph-safe (its LR tensors, which the graphs read).
     """
 
     @property

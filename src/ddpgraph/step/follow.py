@@ -69,7 +69,7 @@ class Follower:
         # step runs eagerly while it keeps changing (see :meth:`still_changing`)
         self.values_held: list[dict[str, Hashable]] | None = None
         self._held_at = 0  # the call that found it changing at every update
-        self._values_recaptured_at = -10  # the call whose graphs the last such change dropped
+        self._values_recaptured_at: int | None = None  # the call whose graphs such a change dropped
         self._calls_per_update = calls_per_update
 
     def _roots(self) -> tuple[nn.Module, ...]:
@@ -115,7 +115,7 @@ class Follower:
                     param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
         dropped = self.drop_training()
         if found.values_changed and self._changed_every_update():
-            self._hold_while_changing()
+            self._hold_while_changing(found.values_changed)
             return
         if found.values_changed:
             self._values_recaptured_at = self._report.steps
@@ -126,9 +126,10 @@ class Follower:
 
     def _changed_every_update(self) -> bool:
         """The graphs this change drops were captured for the last one, an update ago."""
-        return self._report.steps - self._values_recaptured_at <= self._calls_per_update
+        last = self._values_recaptured_at
+        return last is not None and self._report.steps - last <= self._calls_per_update
 
-    def _hold_while_changing(self) -> None:
+    def _hold_while_changing(self, names: list[str]) -> None:
         """Run eagerly while the baked-in values change at every update: a capture costs more
         than the eager step it would replace once (on an H100, complete_cv_example.py under
         OneCycleLR: 13-17 ms a capture against a 23 ms step; captured each step the port ran at
@@ -137,8 +138,8 @@ class Follower:
         self.values_held = hyperparameters(self._graphs.plan.optimizer)
         self._held_at = self._report.steps
         warn_at_user_line(
-            "TrainStep runs eagerly while an optimizer param-group value it bakes into its "
-            "graphs changes before every update (a scheduler rewriting it, as "
+            f"TrainStep runs eagerly while the optimizer's {', '.join(names)}, which its "
+            "graphs bake in, changes before every update (a scheduler rewriting it, as "
             "OneCycleLR(cycle_momentum=True) does SGD's momentum or Adam's betas): a capture "
             "per update costs more than the eager step; it captures again once the values "
             "hold still for an update. To keep the step graphed, keep them fixed "

@@ -30,7 +30,13 @@ from torch import nn
 
 from . import events
 from .events import changes as _changes
-from .optim import describe_group_changes, hyperparameters, restore_identities, tensor_slots
+from .optim import (
+    changed_values,
+    describe_group_changes,
+    hyperparameters,
+    restore_identities,
+    tensor_slots,
+)
 from .parallel.dtensor import address
 
 __all__ = ["Guard", "Seen"]
@@ -71,7 +77,8 @@ class Seen:
     optimizer: list[str] = field(default_factory=list)
     recapture: bool = False
     trainable_changed: bool = False
-    values_changed: bool = False  # a param-group value (momentum, betas, ...) the graphs bake in
+    # the param-group values the graphs bake in (momentum, betas, ...) that changed, named
+    values_changed: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -417,7 +424,8 @@ class OptimizerBaseline:
             groups = hyperparameters(self.optimizer)
             if groups != self._groups:
                 found.optimizer.append(describe_group_changes(self.optimizer, self._groups, groups))
-                found.recapture = found.values_changed = True
+                found.recapture = True
+                found.values_changed = changed_values(self._groups, groups)
             else:  # new objects of equal values (a scheduler writing momentum): the new baseline
                 self._index_groups()
 

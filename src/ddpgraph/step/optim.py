@@ -31,6 +31,7 @@ from .optim_diff import LR_CHANGE, describe_changes, step_options
 __all__ = [
     "GraphSafeOptimizer",
     "TensorSlots",
+    "changed_values",
     "describe_group_changes",
     "graph_safety_problem",
     "hyperparameters",
@@ -455,6 +456,18 @@ def describe_group_changes(
                 described.add((g, key))
                 lines.append(_baked_value_changed(optimizer, g, key, old.get(key), new.get(key)))
     return "; ".join(lines) or "an optimizer param-group value changed"
+
+
+def changed_values(
+    before: list[dict[str, Hashable]], after: list[dict[str, Hashable]]
+) -> list[str]:
+    """The values that differ between two :func:`hyperparameters` readings, named."""
+    return [
+        f"param group {g}'s {key!r}"
+        for g, (old, new) in enumerate(zip(before, after))
+        for key in sorted(set(old) | set(new))
+        if old.get(key) != new.get(key)
+    ]
 
 
 def _baked_value_changed(
