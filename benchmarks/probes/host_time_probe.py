@@ -5,7 +5,8 @@ Each call is timed on the host alone (``perf_counter`` around the call, no sync 
 never fills (a full queue would make a call wait for the GPU). Reports the median and p90 over
 ``--calls`` calls, the bare ``graph.replay()`` host time for comparison, and a hand-written
 replay doing the CUDA work a replayed call cannot skip (the batch's two copies into static
-inputs, the replay, a copy of the loss the script keeps): the floor no guard can go under.
+inputs, the replay, a copy of the loss the script keeps): the floor no guard can go under. Then
+the same model fed by a ``DeviceData`` (``step(data)``: no copies in; ``data_call_host_us``).
 Works against any ddpgraph version with ``TrainStep`` and ``bare_graph()`` (so an older checkout
 on PYTHONPATH gives the "before" numbers in the same session).
 
@@ -81,6 +82,33 @@ def _profile(fn, calls: int, every: int, path: str) -> None:
         f.write(text.getvalue())
 
 
+def _data_call(device: torch.device, chosen: dict, calls: int, every: int) -> dict | None:
+    """The same model fed by a ``DeviceData`` (``step(data)``: the graph gathers its batch on
+    the device, so a replayed call copies nothing in): median and p90 host time of a call, one
+    step per replay. None where this ddpgraph has no DeviceData; the error where it failed."""
+    if not hasattr(ddpgraph, "DeviceData"):
+        return None
+    try:
+        torch.manual_seed(0)
+        model = _mlp().to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss(), **chosen)
+        data = ddpgraph.DeviceData(
+            torch.randn(64 * 50, 1024), torch.randint(10, (64 * 50,)), batch_size=64,
+            device=device,
+        )  # fmt: skip
+        for _ in range(30):
+            step(data)
+        assert step.report().replays > 0, str(step.report())
+        times = _timed(lambda: step(data), calls, every)
+    except Exception as exc:  # the main figures above still count
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    return {
+        "median": statistics.median(times) * 1e6,
+        "p90": statistics.quantiles(times, n=10)[-1] * 1e6,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
@@ -127,6 +155,7 @@ def main() -> None:
         if hand
         else None,
     }
+    result["data_call_host_us"] = _data_call(rt.device, chosen, args.calls, args.every)
     print(json.dumps(result))
     if args.profile:
         _profile(lambda: step(x, y), args.calls, args.every, args.profile)
