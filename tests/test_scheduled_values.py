@@ -101,7 +101,7 @@ def test_adams_betas_a_scheduler_rewrites_each_step_are_said_once_with_value_and
 
 
 def _momentum_steps(
-    graphed: bool, changed_at: set[int], accumulate: int = 1
+    graphed: bool, changed_at: set[int], accumulate: int = 1, graph: str = "auto"
 ) -> tuple[TrainStep, list[torch.Tensor]]:
     """SGD whose momentum the loop sets by hand before the updates in ``changed_at`` (counted
     from 1), ``accumulate`` calls an update."""
@@ -112,7 +112,7 @@ def _momentum_steps(
         make_graph_safe(opt, torch.device("cpu"))
     step = TrainStep(
         model, opt, nn.MSELoss(), engine=CpuGraphs() if graphed else None,
-        accumulate_calls=accumulate,
+        accumulate_calls=accumulate, graph=graph if graphed else "auto",
     )  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     with warnings.catch_warnings():
@@ -164,3 +164,15 @@ def test_a_value_changed_at_every_update_of_accumulated_windows_is_held_eager():
     assert all(c.at_step < 31 for c in report.captures), str(report)
     assert report.eager_steps >= 2 * (40 - 15), str(report)
     _equal_to_eager(params, changed_at, accumulate=2)
+
+
+def test_graph_always_re_captures_a_value_changed_at_every_update():
+    """graph="always" asked for graphs: no eager hold, a capture at each change (as before the
+    hold), and the same training."""
+    changed_at = set(range(15, 41))
+    step, params = _momentum_steps(True, changed_at, graph="always")
+    report = step.report()
+    assert [c.at_step for c in report.captures] == [13, *range(15, 41)], str(report)
+    assert report.eager_steps == 12, str(report)
+    assert not any(r.startswith("held eager") for r in report.recaptures), report.recaptures
+    _equal_to_eager(params, changed_at)

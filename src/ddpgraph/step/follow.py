@@ -54,6 +54,7 @@ class Follower:
         *,
         events_only: bool = False,
         calls_per_update: int = 1,
+        hold_changing_values: bool = True,
     ) -> None:
         self._parallel = parallel
         self._graphs = graphs
@@ -71,6 +72,7 @@ class Follower:
         self._held_at = 0  # the call that found it changing at every update
         self._values_recaptured_at: int | None = None  # the call whose graphs such a change dropped
         self._calls_per_update = calls_per_update
+        self._hold_changing_values = hold_changing_values  # False: graph="always" re-captures
 
     def _roots(self) -> tuple[nn.Module, ...]:
         """The modules a call runs: the script's module, and the wrapper around it."""
@@ -114,7 +116,7 @@ class Follower:
                 if not param.requires_grad:
                     param.grad = None  # eager zero_grad(set_to_none=True) would leave it None
         dropped = self.drop_training()
-        if found.values_changed and self._changed_every_update():
+        if found.values_changed and self._hold_changing_values and self._changed_every_update():
             self._hold_while_changing(found.values_changed)
             return
         if found.values_changed:

@@ -99,6 +99,8 @@ class RunContext:
         self.follower = Follower(
             lambda: self.recovery, graphs, report, device, stream, events_only=events_only,
             calls_per_update=options.accumulate_calls,
+            # graph="always" asked for graphs: a value changing each update re-captures each
+            hold_changing_values=options.graph != "always",
         )  # fmt: skip
         # guard="events" while graphed: the submodules' modes re-read only when the events'
         # count moved since they were last read (any module's train() / eval(); the runner's own
