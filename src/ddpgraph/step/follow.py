@@ -41,7 +41,9 @@ class Follower:
       optimizer made graph-safe again: a loaded group may say ``capturable=False``); a changed
       param-group value or ``requires_grad`` drops the training graphs (captured again, with a
       warning); a changed ``requires_grad`` is followed by the next training call
-      (:attr:`trainable_changed`).
+      (:attr:`trainable_changed`); a baked-in value that changes before every update holds the
+      step eager until it holds still (:attr:`values_held`, :meth:`still_changing`; not under
+      ``graph="always"``).
     """
 
     def __init__(
