@@ -5,9 +5,11 @@ On an H100 at b726f90 (src 2ee68c1a67) the SGD set on data seed 0 parted at the 
 first one not skipped for an overflow and the port's last warm-up step (the one whose host syncs
 are recorded): 65 of 170 parameters 1-2 ulps apart, the momentum buffers and gradients equal. The
 script's new parameters were ``p - lr * buf`` computed in double and rounded once (the fused
-kernel's arithmetic); the port's, for those 65, ``p - fl(lr * buf)`` (the product rounded to
-float first). This probe repeats that in one command and says which kernel and LR form gives
-each side, so the cause can be named:
+kernel's arithmetic); the port's were not (at 3833ada, src d5341dc634: of the 65 differing
+tensors 12 were ``p - fl(lr * buf)`` throughout, the product rounded to float first, and 53
+matched neither; torch's SGD by every path gave the script's from the saved state). This probe
+repeats that in one command and says which kernel and LR form gives each side, so the cause can
+be named:
 
 1. the original and the port (hashes of every update): the first update that differs;
 2. the original, the port and the port without the warm-up's host-sync recording
