@@ -66,8 +66,9 @@ class Seen:
     is captured): ``optimizer``: what changed, in words (a reload is already copied back into
     the captured tensors); ``recapture``: the graphs read something that changed (a param-group
     value, ``requires_grad``, a state tensor that cannot be put back); ``trainable_changed``:
-    a parameter's ``requires_grad`` (the wrapper follows it); ``values_changed``: a param-group
-    value the graphs bake in (``momentum``, ``betas``; not the LR, which they read from a tensor).
+    a parameter's ``requires_grad`` (the wrapper follows it); ``values_changed``: the param-group
+    values the graphs bake in that changed, named (``momentum``, ``betas``; not the LR, which
+    they read from a tensor).
     """
 
     moved: list[str] = field(default_factory=list)
@@ -77,7 +78,6 @@ class Seen:
     optimizer: list[str] = field(default_factory=list)
     recapture: bool = False
     trainable_changed: bool = False
-    # the param-group values the graphs bake in (momentum, betas, ...) that changed, named
     values_changed: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any, TypeGuard
@@ -443,18 +443,15 @@ def describe_group_changes(
     text)."""
     described = _DESCRIBED.setdefault(optimizer, set())
     lines = []
-    for g, (old, new) in enumerate(zip(before, after)):
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) == new.get(key):
-                continue
-            if (g, key) in described:  # one stable text: Python shows it once
-                lines.append(
-                    f"optimizer param group {g}'s {key!r} changed again, and each change "
-                    f"re-captures; {_fix_for(key)}"
-                )
-            else:
-                described.add((g, key))
-                lines.append(_baked_value_changed(optimizer, g, key, old.get(key), new.get(key)))
+    for g, key, old, new in _differing(before, after):
+        if (g, key) in described:  # one stable text: Python shows it once
+            lines.append(
+                f"optimizer param group {g}'s {key!r} changed again, and each change "
+                f"re-captures; {_fix_for(key)}"
+            )
+        else:
+            described.add((g, key))
+            lines.append(_baked_value_changed(optimizer, g, key, old, new))
     return "; ".join(lines) or "an optimizer param-group value changed"
 
 
@@ -462,12 +459,17 @@ def changed_values(
     before: list[dict[str, Hashable]], after: list[dict[str, Hashable]]
 ) -> list[str]:
     """The values that differ between two :func:`hyperparameters` readings, named."""
-    return [
-        f"param group {g}'s {key!r}"
-        for g, (old, new) in enumerate(zip(before, after))
-        for key in sorted(set(old) | set(new))
-        if old.get(key) != new.get(key)
-    ]
+    return [f"param group {g}'s {key!r}" for g, key, _, _ in _differing(before, after)]
+
+
+def _differing(
+    before: list[dict[str, Hashable]], after: list[dict[str, Hashable]]
+) -> Iterator[tuple[int, str, Hashable, Hashable]]:
+    """(group, key, old value, new value) of each value that differs, by group and key."""
+    for g, (old, new) in enumerate(zip(before, after)):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                yield g, key, old.get(key), new.get(key)
 
 
 def _baked_value_changed(
