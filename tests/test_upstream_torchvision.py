@@ -288,6 +288,7 @@ def test_the_amp_updates_probe_saves_and_reads_the_states_around_an_update(tmp_p
         assert group["param_group"]["fused"] is True, (side, group)
         assert [w["op"] for w in ops] == ["aten._fused_sgd_.tensor_lr"], (side, writes)
         assert ops[0]["capturing"] is False and ops[0]["scalars"]["momentum"] == 0.9, ops
+        assert ops[0]["tensors"]["lr"].startswith("torch.float32 = "), ops
 
 
 def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():

@@ -152,7 +152,8 @@ def _param_writes_worker(
             ):
                 capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
                 plain = {k: v for k, v in kwargs.items() if isinstance(v, (bool, int, float))}
-                writes.append({"op": str(func), "scalars": plain, "capturing": capturing})
+                writes.append({"op": str(func), "scalars": plain, "capturing": capturing,
+                               "tensors": _tensor_words(kwargs, capturing)})  # fmt: skip
             return func(*args, **kwargs)
 
     made = upstream_torchvision._optimizers_made()  # the script's optimizer is the first
@@ -178,6 +179,17 @@ def _param_writes_worker(
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
     upstream_torchvision.run(base, script, variant, flags, out, device)
     return writes
+
+
+def _tensor_words(kwargs: dict[str, Any], capturing: bool) -> dict[str, Any]:
+    """An op's tensor keyword arguments (the fused kernels' ``lr``, ``grad_scale``,
+    ``found_inf``): dtype, and the value of a one-element tensor (not read under a capture)."""
+    words: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            one = value.numel() == 1 and not capturing
+            words[key] = f"{value.dtype}" + (f" = {value.item()!r}" if one else "")
+    return words
 
 
 def _group_words(group: dict[str, Any]) -> dict[str, Any]:
