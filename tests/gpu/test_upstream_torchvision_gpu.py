@@ -46,26 +46,15 @@ LAST_UPDATE_APART = pytest.mark.xfail(
 )
 
 
-# the SGD set, data seeds 0 and 1 (seed 1 first run at 3833ada: losses[12] 1.6377 vs 1.6262).
-# Seed 0 on an H100 at b726f90 and again at 3833ada (src d5341dc634, the probe below): the first
-# real update (the 12th: the 11 before are skipped for an overflow on both sides) parts, 65 of
-# 170 parameters 1 ulp apart. Both sides step torch's fused SGD with the same float32 LR tensor
-# (the script's optimizer is made graph-safe where the port's TrainStep makes it: the tests
-# compare that arithmetic), zero-seeded momentum buffers, equal gradients, equal momentum
-# buffers before and after and equal param groups. The script's new parameters are
-# ``p - lr * buf`` rounded once (FusedSgdKernel.cu: ``p -= double_lr * g`` in double), and
-# torch's SGD by every path (fused with the LR as float, CPU or device tensor, foreach,
-# for-loop) gives that from the saved state. The port's are not: of its 65 differing tensors,
-# 12 are ``p - fl(lr * buf)`` throughout (the product rounded to float first; so are the five
-# elements read one by one), 53 match neither formula throughout; the same with the warm-up's
-# host-sync recording and without. So the port's first real update was not the fused kernel as
-# torch runs it; which op made it is what
-# benchmarks/probes/torchvision_amp_updates.py's ``parameter_writes`` (added after that run,
-# not yet run on a GPU) names: every op that wrote into a parameter during that batch.
-FIRST_REAL_UPDATE_APART = pytest.mark.xfail(
-    strict=True, reason="sgd: on the GPU the port's first real update is not p - lr * buf "
-    "rounded once (torch's fused SGD, the script's): 12 tensors p - fl(lr * buf), 53 neither",
-)  # fmt: skip
+# the SGD set, data seeds 0 and 1: on an H100 at b726f90 and 3833ada the first real update (the
+# 12th; the 11 before skipped for an overflow on both sides) parted, 65 of 170 parameters 1 ulp
+# apart. The probe's ``parameter_writes`` (benchmarks/probes/torchvision_amp_updates.py, H100,
+# fb2ebbd) named it: both sides step torch's fused SGD with the same LR tensor, but the port's
+# loss scaler handed the kernel ``grad_scale`` (as GradScaler does for an optimizer built fused)
+# where the script's GradScaler, its SGD built unfused, unscales the gradients before the step;
+# on CUDA the kernel's own unscaling rounds the update differently (804 of 1M parameters,
+# benchmarks/probes/fused_sgd_grad_scale.py). The step now unscales where the script's
+# GradScaler does (``optim.unscales_in_kernel``); both seeds pass on the H100.
 
 
 @pytest.mark.parametrize(
@@ -73,8 +62,8 @@ FIRST_REAL_UPDATE_APART = pytest.mark.xfail(
     [
         ("adamw-clip", 0),
         pytest.param("adamw-clip", 2, marks=LAST_UPDATE_APART),
-        pytest.param("sgd", 0, marks=FIRST_REAL_UPDATE_APART),
-        pytest.param("sgd", 1, marks=FIRST_REAL_UPDATE_APART),
+        ("sgd", 0),
+        ("sgd", 1),
     ],
 )
 def test_train_py_amp_ported_is_the_script_on_the_gpu(tmp_path, flag_set, seed):

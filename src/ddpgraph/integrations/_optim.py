@@ -10,6 +10,7 @@ import torch
 from .._frames import PACKAGE_DIR, in_directories, line_outside
 from ..errors import ConfigError
 from ..step.capture_errors import TORCH_DIR
+from ..step.optim import unscales_in_kernel
 
 __all__ = ["OptimizerView", "refuse_script_steps", "scaler_reports_skips"]
 
@@ -25,7 +26,7 @@ def scaler_reports_skips(optimizer: torch.optim.Optimizer) -> bool:
     fused optimizer (the Trainer's default ``adamw_torch_fused`` on torch >= 2.8) no update is
     ever reported skipped and the schedule advances through overflows. Ask this of the
     optimizer as the script built it (TrainStep switches fp16 optimizers to fused kernels)."""
-    return not getattr(optimizer, "_step_supports_amp_scaling", False)
+    return not unscales_in_kernel(optimizer)
 
 
 class OptimizerView(torch.optim.Optimizer):

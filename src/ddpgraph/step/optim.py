@@ -44,6 +44,7 @@ __all__ = [
     "skips_on_device",
     "take_the_foreach_path",
     "tensor_slots",
+    "unscales_in_kernel",
 ]
 
 # a param group's LR: each replay tests ``lr_of(group) is lr_tensor`` in one C-level pass and
@@ -324,6 +325,16 @@ def _dampened_first_update(optimizer: torch.optim.Optimizer) -> list[str]:
         "is (1 - dampening) * grad where torch's own first step takes grad undamped (a skipped "
         "fp16 step cannot leave the choice to the host; dampening=0 makes the two equal)"
     ]
+
+
+def unscales_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``torch.amp.GradScaler`` hands ``optimizer``'s step the scale to unscale in its
+    kernel (``_step_supports_amp_scaling``: an optimizer built fused) rather than unscaling the
+    gradients before it. Ask it of the optimizer as the script built it: the step's switch to a
+    fused kernel sets only the param groups' ``"fused"``. On CUDA the two give different
+    updates (fused SGD: 804 of 1M parameters 1 ulp apart on an H100,
+    ``benchmarks/probes/fused_sgd_grad_scale.py``), so the step follows the script's choice."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -10,7 +10,10 @@ torch.amp.GradScaler checks for inf/NaN on the device but, for an optimizer with
 fused Adam/AdamW/SGD kernels take ``grad_scale`` and ``found_inf`` and skip on the device, and
 ``torch._amp_update_scale_`` backs the scale off or grows it there. :class:`LossScaler` does what
 GradScaler does, op for op (so a run is bitwise equal to an eager GradScaler loop with the same
-fused optimizer), with its state in device tensors that a graph reads and writes.
+fused optimizer), with its state in device tensors that a graph reads and writes. Where the
+script's optimizer was built unfused, GradScaler unscales the gradients before its step; the
+step does too (its fused kernel then gets ``found_inf`` alone), since on CUDA the kernel's own
+unscaling rounds the update differently (:func:`~.optim.unscales_in_kernel`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from .._typed_torch import backward
 from ..errors import ConfigError
-from .optim import skips_on_device
+from .optim import skips_on_device, unscales_in_kernel
 
 __all__ = [
     "AMP_SPELLINGS",
@@ -211,8 +214,9 @@ class Fp16(Precision):
     ) -> torch.Tensor | None:
         """Clip (on unscaled gradients) and step; skip an overflowed step on the device and
         update the scale, as GradScaler does."""
-        # GradScaler unscales before clipping, and for an optimizer that cannot take the scale
-        unscale = clip is not None or not skips_on_device(optimizer)
+        # GradScaler unscales before clipping, and for an optimizer it does not hand the scale
+        # (one the script built unfused): the fused kernel then only skips on found_inf
+        unscale = clip is not None or not unscales_in_kernel(optimizer)
         grads = [
             p.grad
             for group in optimizer.param_groups
