@@ -34,8 +34,9 @@ case "$part" in
 esac
 
 python3 benchmarks/gpu_receipt.py env --out "$out/gpu-env-$part.json" || exit 1
-# A part stops itself well inside the device's 10-minute call so its JUnit file is still written.
-timeout "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 \
+# A part stops itself well inside the device's 10-minute call so its JUnit file is still written
+# (SIGINT: pytest ends the session as on Ctrl-C and writes what ran; KILL 30 s later).
+timeout -s INT -k 30 "${SUITE_TIMEOUT:-560}" python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 \
   --junitxml="$out/gpu-tests-$part.xml" ${PYTEST_ARGS:-} "${selected[@]}" 2>&1 \
   | tee "$out/gpu-tests-$part.log" | tail -40
 status=${PIPESTATUS[0]}
