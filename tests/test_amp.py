@@ -232,3 +232,73 @@ def test_fp16_sgd_gives_no_momentum_buffer_to_a_frozen_parameter():
     TrainStep(model, opt, nn.CrossEntropyLoss(), amp="fp16", engine=CpuGraphs())
     assert frozen not in opt.state
     assert all("momentum_buffer" in opt.state[p] for p in model.parameters() if p.requires_grad)
+
+
+class _ScalingSeen(torch.utils._python_dispatch.TorchDispatchMode):
+    """Per update, in order: whether the gradients were unscaled before the step (the inf check
+    given a scale other than 1) and which tensor keyword arguments the fused kernel was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unscaled: list[bool] = []
+        self.kernel: list[tuple[str, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if "_amp_foreach_non_finite_check_and_unscale_" in name:
+            self.unscaled.append(float(args[2]) != 1.0)
+        elif "_fused_" in name:
+            given = (k for k in ("grad_scale", "found_inf") if kwargs.get(k) is not None)
+            self.kernel.append(tuple(given))
+        return func(*args, **kwargs)
+
+
+UNSCALED_WHERE = {  # the script's optimizer as built -> is it handed the scale? (GradScaler's rule)
+    "sgd-plain": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
+    "sgd-fused": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True), True),
+    "adamw-foreach": (lambda p: torch.optim.AdamW(p, lr=1e-2), False),
+    "adamw-fused": (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), True),
+}
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+@pytest.mark.parametrize("opt_name", sorted(UNSCALED_WHERE))
+def test_fp16_unscales_before_the_step_exactly_where_gradscaler_does(opt_name, clip):
+    """GradScaler passes the scale into the step only of an optimizer built fused
+    (``_step_supports_amp_scaling``) and not after ``unscale_`` (clipping); for any other it
+    unscales the gradients before the step. The step does the same, handing its fused kernel
+    the overflow verdict always (it skips on the device): on CUDA the kernel's own unscaling
+    rounds the update differently (torchvision's train.py --amp SGD parted from its port at the
+    first real update; benchmarks/probes/fused_sgd_grad_scale.py). The step runs through the CPU
+    engine's capture and replays; the script is torch's autocast + GradScaler loop."""
+    opt_fn, scaled_in_kernel = UNSCALED_WHERE[opt_name]
+    unscaled_first = clip is not None or not scaled_in_kernel
+    data = _data(6, overflow_at=())
+    model = make_model()
+    step = TrainStep(
+        model, opt_fn(model.parameters()), nn.CrossEntropyLoss(), amp="fp16",
+        clip_grad_norm=clip, engine=CpuGraphs(), warmup=2,
+    )  # fmt: skip
+    with _ScalingSeen() as ours:
+        for x, y in data:
+            step(x, y)
+    assert step.report().replays > 0, str(step.report())
+    assert ours.unscaled and set(ours.unscaled) == {unscaled_first}, ours.unscaled
+    given = ("found_inf",) if unscaled_first else ("grad_scale", "found_inf")
+    assert ours.kernel and set(ours.kernel) == {given}, ours.kernel
+    reference = make_model()
+    opt = opt_fn(reference.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000)
+    with _ScalingSeen() as theirs:
+        for x, y in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+                loss = nn.functional.cross_entropy(reference(x), y)
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+    # GradScaler checks a fused optimizer's gradients for infs with a scale of 1 (no unscale)
+    assert theirs.unscaled == [unscaled_first] * len(data), theirs.unscaled
