@@ -1,0 +1,117 @@
+"""The ops one optimizer update runs, Accelerate's ``complete_cv_example.py`` as written against its
+port, counted per update: where an eager port spends more than the script (issue 52: on an H100
+at fb2ebbd the port, held eager while OneCycleLR rewrites Adam's betas, took 27.76 ms per update
+against the script's 24.48).
+
+    python benchmarks/probes/eager_ops_per_update.py [--device cpu] [--model test_resnet]
+        [--update N] [--out FILE.json]
+
+Each side runs in its own process (``run_distributed(..., 1)``, the script's own group) through
+the worker of the scripts' tests (tests/upstream_cv.py, ``keep="times"``), ``--mixed_precision
+bf16``, with a ``TorchDispatchMode`` counting every aten op by name from one
+``AcceleratedScheduler.step()`` (the script's update point) to the next. On the CPU the port runs
+on ``CpuGraphs`` and a timm model named by ``--model`` stands in for the script's ResNet-50d (its
+ops per layer are the same kinds); on a GPU (``--device cuda``) it is the script's own model.
+What comes out, for update N (default: the third from last, where the port is held eager): each
+side's op count, and every op whose count differs, with both counts; and the port's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--model", default="test_resnet", help="CPU only: timm model to build")
+    parser.add_argument("--update", type=int, default=-3, help="from 1; < 0: from the end")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    result = compare(args.device, args.model, args.update)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+
+
+def compare(device: str, model: str, update: int) -> dict[str, Any]:
+    from ddpgraph.testing import run_distributed
+    from tests import upstream, upstream_cv
+
+    script = upstream.script(upstream_cv.FOLDER, upstream_cv.NAME)
+    base = Path(tempfile.mkdtemp(prefix="cv-ops-"))
+    upstream_cv.make_images(base / "images")
+    flags = ["--mixed_precision", "bf16", *(["--cpu"] if device == "cpu" else [])]
+    counts: dict[str, list[dict[str, int]]] = {}
+    report = ""
+    built = model if device == "cpu" else ""
+    for variant in ("original", "port"):  # each writes its own copy of the script and out_ folder
+        run_args = (str(base), str(script), variant, flags, device, built)
+        (found,) = run_distributed(_worker, 1, args=run_args, timeout=900, init=False)
+        counts[variant] = found["per_update"]
+        report = found["report"] or report
+    n = min(len(counts["original"]), len(counts["port"]))
+    index = update - 1 if update > 0 else n + update
+    ours, theirs = Counter(counts["port"][index]), Counter(counts["original"][index])
+    differing = {
+        op: {"script": theirs[op], "port": ours[op]}
+        for op in sorted(set(ours) | set(theirs))
+        if ours[op] != theirs[op]
+    }
+    return {
+        "what": "aten ops in one optimizer update of complete_cv_example.py, as written and "
+        "ported (--mixed_precision bf16), counted between the script's scheduler steps",
+        "device": device,
+        "model": model if device == "cpu" else "resnet50d (the script's)",
+        "updates": n,
+        "update": index + 1,
+        "ops": {"script": sum(theirs.values()), "port": sum(ours.values())},
+        "ops_each_update": {
+            side: [sum(c.values()) for c in counts[side][:n]] for side in ("original", "port")
+        },
+        "differing": differing,
+        "port_report": report,
+    }  # fmt: skip
+
+
+def _worker(
+    folder: str, script: str, variant: str, flags: list[str], device: str, model: str
+) -> dict[str, Any]:
+    from accelerate.scheduler import AcceleratedScheduler
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests import upstream_cv
+
+    per_update: list[Counter[str]] = [Counter()]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            per_update[-1][str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    inner = AcceleratedScheduler.step
+
+    def stepped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = inner(self, *args, **kwargs)
+        per_update.append(Counter())
+        return result
+
+    AcceleratedScheduler.step = stepped  # type: ignore[method-assign]
+    with Count():
+        record = upstream_cv.run(folder, script, variant, flags, device, model, keep="times")
+    # per_update[0] is everything before the first update (model set-up, the first batch)
+    return {"per_update": [dict(c) for c in per_update[1:-1]], "report": record["report"]}
+
+
+if __name__ == "__main__":
+    main()
