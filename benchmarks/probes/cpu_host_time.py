@@ -14,6 +14,8 @@ and 30-60 ms at 50 on a loaded 2-core host, would drown a few µs):
   bare_us       a bare replay timed in its own loop: the inputs copied into the static tensors,
                 then the recorded program replayed
   clone_us      ``loss.clone()`` alone (the copy of the loss a replay returns; inside added_us)
+  data_added_us the same model fed by a ``DeviceData`` (``step(data)``, one step per replay),
+                its program a no-op: what ddpgraph runs around a replay that gathers its batch
 
 Medians over REPS blocks (minima too). One thread, one process: compare figures within one run
 (the machine's other load moves them all). From the review of turn 7 (``call-path-turn7/host_time.py``).
@@ -99,6 +101,7 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
         for _ in range(N):
             loss.clone()
         rows["clone"].append((time.perf_counter() - t) / N)
+    rows["data_added"] = _data_added(layers, chosen)
     out: dict[str, Any] = {
         "layers": layers,
         "guard": guard,
@@ -108,6 +111,39 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
         out[name + "_us"] = round(statistics.median(values) * 1e6, 1)
         out[name + "_us_min"] = round(min(values) * 1e6, 1)
     return out
+
+
+def _data_added(layers: int, chosen: dict[str, Any]) -> list[float]:
+    """Seconds per ``step(data)`` call with its recorded program a no-op, per block."""
+    import ddpgraph as dg
+    from ddpgraph.testing import CpuGraphs
+
+    torch.manual_seed(0)
+    model = build(layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = dg.DeviceData(
+        torch.randn(4 * 50, 8), torch.randint(0, 4, (4 * 50,)), batch_size=4,
+        device=torch.device("cpu"),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = dg.TrainStep(
+            model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2, **chosen
+        )
+        for _ in range(30):
+            step(data)
+    engine = _engine(step)
+    (key,) = [k for k in engine.captured if k.role == "train"]
+    program = engine.captured[key].graph
+    inner, blocks = program.replay, []
+    program.replay = lambda: None  # type: ignore[method-assign]
+    for _ in range(REPS):
+        t = time.perf_counter()
+        for _ in range(N):
+            step(data)
+        blocks.append((time.perf_counter() - t) / N)
+    program.replay = inner  # type: ignore[method-assign]
+    return blocks
 
 
 def _worker(layers: list[int], guard: str) -> list[dict[str, Any]]:
