@@ -34,19 +34,30 @@ CALLS = 8  # ddpgraph calls around the recorded program's replay at 2 layers (ou
 MODULES = 6  # the ddpgraph modules they live in (8 before optim's sync_lr and ddp's script_sync)
 GROWTH = 0  # calls at 50 layers - calls at 2 layers: the guard reads the model in C-level passes
 CLASS_LINES = 300  # the longest class in step/ (issue 51's target; Runner was 603, TrainStep 324)
+# a replayed step(data) (one step per replay): TrainStep.__call__ -> _run_data -> DataFeed.run ->
+# Runner.train -> the replay (feed.py and data/device_data.py beside step(x, y)'s modules); 4
+# frames, 25 calls and 9 modules while the feed checked and built the DeviceData's batch on every
+# call and staged, checked and restored the LR through a context manager with no scheduler too
+DATA_FRAMES, DATA_CALLS, DATA_MODULES = 5, 12, 7
 
 
-def _probe(layers: list[int]) -> list[dict[str, Any]]:
+def _probe(layers: list[int], feed: str = "batch") -> list[dict[str, Any]]:
     spec = importlib.util.spec_from_file_location("callpath_probe", PROBE)
     assert spec is not None and spec.loader is not None
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    return [probe.probe(n) for n in layers]
+    return [probe.probe(n, feed=feed) for n in layers]
 
 
 @pytest.fixture(scope="module")
 def counts() -> dict[int, dict[str, Any]]:
     (rows,) = run_distributed(_probe, 1, args=([2, 50],), timeout=540)
+    return {row["layers"]: row for row in rows}
+
+
+@pytest.fixture(scope="module")
+def data_counts() -> dict[int, dict[str, Any]]:
+    (rows,) = run_distributed(_probe, 1, args=([2, 50], "data"), timeout=540)
     return {row["layers"]: row for row in rows}
 
 
@@ -67,6 +78,17 @@ def test_the_replayed_call_grows_no_more_than_its_budget_with_the_model(counts):
     assert large["frames"] == small["frames"]
     assert large["calls"] - small["calls"] <= GROWTH, _shown(large)
     assert len(large["modules"]) <= MODULES, large["modules"]
+
+
+def test_a_replayed_step_data_keeps_to_its_budget_at_every_model_size(data_counts):
+    """``step(data)``, the path the guides give a host-bound small model, held like
+    ``step(x, y)``: its frames, calls and modules, the same at 2 and 50 layers."""
+    small, large = data_counts[2], data_counts[50]
+    assert small["frames"] is not None, "the probe never reached the engine's replay"
+    assert small["frames"] <= DATA_FRAMES, _shown(small)
+    assert small["calls"] <= DATA_CALLS, _shown(small)
+    assert len(small["modules"]) <= DATA_MODULES, small["modules"]
+    assert (large["frames"], large["calls"]) == (small["frames"], small["calls"]), _shown(large)
 
 
 def test_no_class_in_step_is_longer_than_its_budget():

@@ -444,6 +444,29 @@ def test_a_call_that_fails_midway_leaves_no_batch_or_lr_skipped():
     assert torch.equal(failing.inputs[7], failing.inputs[5])
 
 
+def test_a_call_without_a_scheduler_that_fails_midway_skips_no_batch():
+    """The same on the path without a scheduler (no LR staged: the replayed path, which keeps
+    its checks and its batch per DeviceData): the data's position and the step count go back,
+    the retried call gathers the batches the failed one began with, and a call with another
+    step count after whole calls is checked again."""
+    model, optimizer, _ = workers.model_and_optimizer()
+    data = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=workers.SEED)
+    failing = _FailsOnce(model, at=6)
+    step = TrainStep(failing, optimizer, nn.CrossEntropyLoss(), steps_per_replay=4)
+    step(data)
+    state = (data.epoch, data.position, step.report().steps)
+    with pytest.raises(RuntimeError, match="boom"):
+        step(data)
+    assert (data.epoch, data.position, step.report().steps) == state
+    step(data)
+    assert torch.equal(failing.inputs[6], failing.inputs[4])
+    assert torch.equal(failing.inputs[7], failing.inputs[5])
+    with pytest.raises(ConfigError, match="steps must be an integer from 1 to"):
+        step(data, steps=5)
+    step(data, steps=1)
+    assert step.report().steps == 4 + 4 + 1
+
+
 def test_a_second_device_data_gets_no_graph_of_the_first():
     first = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=1)
     second = DeviceData(*workers.data_set(), batch_size=workers.BATCH, seed=2)

@@ -16,8 +16,9 @@ From the review of turn 7 (``call-path-turn7/callpath_probe.py`` and ``replay_in
 probe for both counts. Counts are deterministic for one Python version; ``tests/test_call_path.py``
 holds them to a budget.
 
-    python benchmarks/probes/callpath_probe.py [LAYERS ...] [--out FILE.json]
-      (LAYERS linear layers of 8x8 with ReLU between, then Linear(8, 4); default 2 and 50)
+    python benchmarks/probes/callpath_probe.py [LAYERS ...] [--feed data] [--out FILE.json]
+      (LAYERS linear layers of 8x8 with ReLU between, then Linear(8, 4); default 2 and 50;
+      --feed data: a step(data) call over a DeviceData of such batches, one step per replay)
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ def build(layers: int) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(8, 4))
 
 
-def probe(layers: int, guard: str = "default") -> dict[str, Any]:
-    """The counts of one replayed call (run inside ``ddpgraph.init``, one rank or more)."""
+def probe(layers: int, guard: str = "default", feed: str = "batch") -> dict[str, Any]:
+    """The counts of one replayed call (run inside ``ddpgraph.init``, one rank or more);
+    ``feed="data"``: a ``step(data)`` call over a ``DeviceData`` of the same batches (one step
+    per replay) instead of ``step(x, y)``."""
     import ddpgraph as dg
     from ddpgraph.step import recording
     from ddpgraph.testing import CpuGraphs
@@ -56,8 +59,15 @@ def probe(layers: int, guard: str = "default") -> dict[str, Any]:
             model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2, **chosen
         )
         x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+        args: tuple[Any, ...] = (x, y)
+        if feed == "data":
+            data = dg.DeviceData(
+                torch.randn(4 * 50, 8), torch.randint(0, 4, (4 * 50,)), batch_size=4,
+                device=torch.device("cpu"),
+            )  # fmt: skip
+            args = (data,)
         for _ in range(30):
-            step(x, y)
+            step(*args)
     replays_before = step.report().replays
     stack: list[bool] = []  # per frame on the stack: is it ddpgraph's
     path: list[str] = []
@@ -95,7 +105,7 @@ def probe(layers: int, guard: str = "default") -> dict[str, Any]:
 
     sys.setprofile(profile)
     try:
-        step(x, y)
+        step(*args)
     finally:
         sys.setprofile(None)
     if step.report().replays != replays_before + 1:
@@ -104,6 +114,7 @@ def probe(layers: int, guard: str = "default") -> dict[str, Any]:
     return {
         "layers": layers,
         "guard": guard,
+        "feed": feed,
         "parameters": len(list(model.parameters())),
         "submodules": len(list(model.modules())),
         "frames": frames[0] if frames else None,
@@ -116,8 +127,8 @@ def probe(layers: int, guard: str = "default") -> dict[str, Any]:
     }
 
 
-def _worker(layers: list[int], guard: str) -> list[dict[str, Any]]:
-    return [probe(n, guard) for n in layers]
+def _worker(layers: list[int], guard: str, feed: str = "batch") -> list[dict[str, Any]]:
+    return [probe(n, guard, feed) for n in layers]
 
 
 def main() -> None:
@@ -125,10 +136,13 @@ def main() -> None:
     parser.add_argument("layers", nargs="*", type=int, default=[2, 50])
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--guard", default="default", choices=["default", "full", "events"])
+    parser.add_argument("--feed", default="batch", choices=["batch", "data"],
+                        help="data: a step(data) call over a DeviceData")  # fmt: skip
     args = parser.parse_args()
     from ddpgraph.testing import run_distributed
 
-    (results,) = run_distributed(_worker, 1, args=(args.layers, args.guard), timeout=600)
+    work = (args.layers, args.guard, args.feed)
+    (results,) = run_distributed(_worker, 1, args=work, timeout=600)
     for row in results:
         print(
             f"LAYERS={row['layers']}: {row['frames']} frames to the engine's replay, "

@@ -13,9 +13,8 @@ into the optimizer's LR tensor before its update. The values are those an eager 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +31,9 @@ if TYPE_CHECKING:
     from .report import StepReport
 
 __all__ = ["DataFeed", "StepwiseLR"]
+
+# the runner's train(batch, steps): the call's loss
+Train = Callable[[Batch, int], torch.Tensor]
 
 
 class DataFeed:
@@ -54,6 +56,11 @@ class DataFeed:
         self.device = device
         self._lr: StepwiseLR | None = None  # built at the first call: the scheduler is checked
         self._sources: dict[int, DeviceData] = {}  # alive while graphs that read them may exist
+        # the DeviceData whose whole calls (steps=None) passed steps_of, and the batches of
+        # calls made (per token and step count): a DeviceData's device, length and shapes are
+        # fixed, so a replayed step(data) neither checks nor builds them again
+        self._checked: DeviceData | None = None
+        self._batches: dict[tuple[int, int], Batch] = {}
 
     @property
     def lr(self) -> StepwiseLR:
@@ -64,6 +71,8 @@ class DataFeed:
     def steps_of(self, data: DeviceData, steps: int | None) -> int:
         """Check a ``step(data)`` call; the number of training steps it runs."""
         k = self.steps_per_replay
+        if steps is None and data is self._checked:
+            return k
         if self.accumulate_calls > 1:
             raise ConfigError(
                 "step(data) runs whole training steps, but accumulate_calls="
@@ -86,6 +95,8 @@ class DataFeed:
                 f"per epoch on this rank; use steps_per_replay <= {len(data)} or a smaller "
                 "batch_size."
             )
+        if steps is None:
+            self._checked = data
         return n
 
     def check_batch_call(self, steps: int | None) -> None:
@@ -106,18 +117,30 @@ class DataFeed:
         """A whole call's batch: a short call (a run's last steps) is the same data."""
         return data_batch(data, self.steps_per_replay)
 
-    @contextlib.contextmanager
-    def call(self, data: DeviceData, steps: int, report: StepReport) -> Iterator[Batch]:
-        """One call of ``steps`` steps: yields its batch; if the body raises, it is as if the
-        call never happened (no batch or LR skipped by the next one, the count as it was)."""
-        lr = self.lr
-        lr.check()  # before anything is counted or stepped
+    def run(self, data: DeviceData, steps: int, report: StepReport, train: Train) -> torch.Tensor:
+        """One call of ``steps`` steps: ``train(batch, steps)``'s loss; if it raises, it is as if
+        the call never happened (no batch or LR skipped by the next one, the count as it was)."""
+        lr = self._lr if self._lr is not None else self.lr  # no property call once built
         self._sources[data.token] = data
+        batch = self._batches.get((data.token, steps))
+        if batch is None:
+            batch = self._batches[data.token, steps] = data_batch(data, steps)
+        if lr.scheduler is None:  # no LR to stage, check or put back: the replayed path
+            report.steps += steps
+            try:
+                loss = train(batch, steps)
+            except BaseException:
+                data.rewind()
+                report.steps -= steps
+                raise
+            data.advance(steps)
+            return loss
+        lr.check()  # before anything is counted or stepped
         report.steps += steps
         before = lr.snapshot()
         try:
             lr.prepare(steps)
-            yield data_batch(data, steps)
+            loss = train(batch, steps)
         except BaseException:
             lr.restore(before)
             data.rewind()
@@ -126,6 +149,7 @@ class DataFeed:
         finally:
             lr.finish()
         data.advance(steps)
+        return loss
 
     def loaded(self) -> None:
         """A checkpoint was loaded into the scheduler: take its count as it is."""
@@ -134,6 +158,8 @@ class DataFeed:
 
     def close(self) -> None:
         self._sources.clear()
+        self._batches.clear()
+        self._checked = None
 
 
 class StepwiseLR:

@@ -240,14 +240,15 @@ class TrainStep:
 
     def _run_data(self, data: DeviceData, steps: int | None) -> torch.Tensor:
         """``steps`` training steps on batches gathered from ``data`` on the device."""
-        n = self._feed.steps_of(data, steps)
-        self._runner.check_shape(self._feed.full_batch(data))
-        with self._feed.call(data, n, self._report) as batch:
-            try:
-                loss = self._runner.train(batch, n)
-            except RuntimeError as exc:
-                _raise_if_peer_gone(exc, self._report.steps)
-                raise
+        feed = self._feed
+        n = feed.steps_of(data, steps)
+        if self._shape_rule:
+            self._runner.check_shape(feed.full_batch(data))
+        try:
+            loss = feed.run(data, n, self._report, self._runner.train)
+        except RuntimeError as exc:
+            _raise_if_peer_gone(exc, self._report.steps)
+            raise
         return self._checked(loss)
 
     def evaluate(self, *args: Any) -> Any:
