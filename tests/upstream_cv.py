@@ -1,8 +1,8 @@
 """Accelerate's ``complete_cv_example.py`` (pinned in ../shared/upstream/), run as written and as
-the Accelerate guide's first diff ports it: the worker of tests/gpu/test_upstream_scripts_gpu.py.
-The script fixes its run in its ``main()`` (ResNet-50d, 224 px, batches of 64), too heavy for
-the 2-core CPU suite, so it runs on the GPU machine only; the CPU suite checks that the port's
-edits apply to the pinned script (tests/test_upstream_scripts.py).
+the Accelerate guide's first diff ports it: the worker of tests/gpu/test_upstream_scripts_gpu.py
+and of tests/test_upstream_scripts.py. The script fixes its run in its ``main()`` (ResNet-50d,
+224 px, batches of 64), too heavy for the 2-core CPU suite: there a timm model named by
+``model`` (``test_resnet``) is built in its place, on 2 gloo ranks with the script's ``--cpu``.
 
 The script runs unchanged through ``runpy``, with a folder of JPEGs named as the Oxford pets
 (``<label>_<n>.jpg``, its ``extract_label``) and timm's ``create_model`` called with
