@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The GPU measurements left open by the last stop, as one device call (about 6 minutes on an H100):
+# The GPU measurements left open by the last stop, as one device call (about 5 minutes on an H100):
 #
 #   bash benchmarks/gpu_followups.sh          # on the GPU machine (the device tool: carry .whl
 #                                             # and a copy of ../shared/upstream as .upstream)
 #
-# 1. host time of a replayed step(x, y) and step(data), three runs (issue 51):
-#    host-time-<n>.json (benchmarks/probes/host_time_probe.py);
-# 2. torchvision's train.py --amp as written and ported (issue 52's GPU-only differences):
-#    tv-sgd-0.json (the SGD set, data seed 0: the op that made the port's first real update, in
-#    its parameter_writes) and tv-adamw-2.json (the AdamW set's seed-2 last-update difference);
+# 1. host time of a replayed step(x, y) and step(data), three runs (issue 51; step(data)'s call
+#    path went from 25 ddpgraph calls to 12 after fb2ebbd's 41.7 us): host-time-<n>.json
+#    (benchmarks/probes/host_time_probe.py);
+# 2. torchvision's train.py --amp as written and ported (issue 52's one GPU-only difference left):
+#    tv-adamw-2.json, the AdamW-with-clipping set's seed-2 last update, with each side's
+#    clip_grad_norm_ of that batch (its total norm: did it clip?) beside the fused AdamW write;
 # 3. complete_cv_example.py's figure with the step held eager while OneCycleLR rewrites Adam's
-#    betas (issue 52 item 5): upstream-ports-cv-amp.json (benchmarks/upstream_ports.py).
+#    betas (issue 52 item 5; 0.88x at fb2ebbd): upstream-ports-cv-amp.json
+#    (benchmarks/upstream_ports.py).
 # Each part has its own time limit and writes its JSON into $OUT (default out/); a part that
 # fails leaves the others' files. Without CUDA it refuses.
 set -uo pipefail
@@ -33,10 +35,8 @@ for n in 1 2 3; do
   timeout 90 python3 benchmarks/probes/host_time_probe.py --label "run$n" \
     --out "$out/host-time-$n.json" | tail -1 || status=1
 done
-timeout 150 python3 benchmarks/probes/torchvision_amp_updates.py --out "$out/tv-sgd-0.json" \
-  | tail -30 || status=1
 timeout 120 python3 benchmarks/probes/torchvision_amp_updates.py --opt adamw --seed 2 \
-  --out "$out/tv-adamw-2.json" | tail -5 || status=1
+  --out "$out/tv-adamw-2.json" | tail -40 || status=1
 timeout 200 python3 benchmarks/upstream_ports.py --scripts cv --precisions amp \
   --out "$out/upstream-ports-cv-amp.json" | tail -5 || status=1
 exit "$status"

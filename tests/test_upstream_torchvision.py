@@ -291,6 +291,29 @@ def test_the_amp_updates_probe_saves_and_reads_the_states_around_an_update(tmp_p
         assert ops[0]["tensors"]["lr"].startswith("torch.float32 = "), ops
 
 
+def test_the_amp_updates_probe_records_each_sides_clipping_of_the_parting_batch(tmp_path):
+    """With the AdamW set's clipping (its GPU difference is in the run's last update): each
+    side's ``clip_grad_norm_`` of that batch (the script's own call and the step's, both torch's
+    by that name) with the total norm it found, beside the fused AdamW write."""
+    script = _script()
+    probe = _amp_updates_probe()
+    upstream_torchvision.make_images(tmp_path / "images")
+    flags = ["--epochs", "1", "--amp", "--use-deterministic-algorithms", *probe.FLAG_SETS["adamw"]]
+    env = {"DDPGRAPH_SCRIPT_SEED": "0"}
+    seen = {
+        # update 13 is real on this data (10, 12 and 13 are; the others overflow on the CPU's fp16)
+        side: probe.param_writes(tmp_path, script, side, flags, "cpu", env, 13)
+        for side in ("original", "port")
+    }
+    for side, writes in seen.items():
+        clips = [w["clip"] for w in writes if "clip" in w]
+        assert len(clips) == 1 and clips[0]["max_norm"] == 0.5, (side, writes)
+        assert clips[0]["total_norm"] > 0 and clips[0]["tensors"] > 100, (side, clips)
+        ops = [w["op"] for w in writes if "op" in w]
+        assert ops == ["aten._fused_adamw_.tensor_lr"], (side, writes)
+    assert seen["original"][1]["clip"] == seen["port"][1]["clip"], seen
+
+
 def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():
     """The two ways of computing ``p - lr * buf`` it names: rounded once (the fused CUDA kernel,
     double) and with the product rounded first (float ops), on values where they differ."""

@@ -123,7 +123,8 @@ def param_writes(
     """Every op that writes into a parameter's memory during training batch ``update`` (from
     the script's ``metric_logger.update(..., lr=...)`` after batch ``update - 1`` to the one
     after it), with its scalar arguments and whether a CUDA capture was under way; first the
-    optimizer's param-group values: the op that made one side's update."""
+    optimizer's param-group values: the op that made one side's update. With clipping, each
+    ``clip_grad_norm_`` of that batch too (its ``max_norm`` and the total norm it found)."""
     from ddpgraph.testing import run_distributed
 
     args = (str(folder), str(script), variant, flags, f"writes-{variant}", device, update)
@@ -176,8 +177,25 @@ def _param_writes_worker(
                 mode.__exit__(None, None, None)
         inner(self, **kwargs)
 
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def clipped(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # the clipping of the batch (the script's and the step's both call torch's by this
+        # name): its total norm says whether it scaled the gradients (norm > max_norm)
+        params = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        norm = clip(params, max_norm, *args, **kwargs)
+        if batches[0] == update - 1:
+            capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
+            writes.append({"clip": {"max_norm": max_norm, "tensors": len(params),
+                                    "total_norm": None if capturing else norm.item()}})  # fmt: skip
+        return norm
+
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
-    upstream_torchvision.run(base, script, variant, flags, out, device)
+    torch.nn.utils.clip_grad_norm_ = clipped
+    try:
+        upstream_torchvision.run(base, script, variant, flags, out, device)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = clip
     return writes
 
 
