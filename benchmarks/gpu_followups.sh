@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements left open by the last stop, as one device call (about 5 minutes on an H100):
+# The GPU measurements left open by the last stop, as one device call (about 7 minutes on an H100):
 #
 #   bash benchmarks/gpu_followups.sh          # on the GPU machine (the device tool: carry .whl
 #                                             # and a copy of ../shared/upstream as .upstream)
@@ -12,7 +12,10 @@
 #    clip_grad_norm_ of that batch (its total norm: did it clip?) beside the fused AdamW write;
 # 3. complete_cv_example.py's figure with the step held eager while OneCycleLR rewrites Adam's
 #    betas (issue 52 item 5; 0.88x at fb2ebbd): upstream-ports-cv-amp.json
-#    (benchmarks/upstream_ports.py).
+#    (benchmarks/upstream_ports.py);
+# 4. where that eager port's extra time goes: cv-eager-profile.json, torch.profiler over three
+#    held-eager updates of the script and of its port (benchmarks/probes/eager_ops_per_update.py
+#    --profile: wall, host and device ms per update and the ops taking the most device time).
 # Each part has its own time limit and writes its JSON into $OUT (default out/); a part that
 # fails leaves the others' files. Without CUDA it refuses.
 set -uo pipefail
@@ -39,4 +42,6 @@ timeout 120 python3 benchmarks/probes/torchvision_amp_updates.py --opt adamw --s
   --out "$out/tv-adamw-2.json" | tail -40 || status=1
 timeout 200 python3 benchmarks/upstream_ports.py --scripts cv --precisions amp \
   --out "$out/upstream-ports-cv-amp.json" | tail -5 || status=1
+timeout 240 python3 benchmarks/probes/eager_ops_per_update.py --device cuda --profile \
+  --out "$out/cv-eager-profile.json" | tail -5 || status=1
 exit "$status"

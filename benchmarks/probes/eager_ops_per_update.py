@@ -4,7 +4,7 @@ at fb2ebbd the port, held eager while OneCycleLR rewrites Adam's betas, took 27.
 against the script's 24.48).
 
     python benchmarks/probes/eager_ops_per_update.py [--device cpu] [--model test_resnet]
-        [--update N] [--out FILE.json]
+        [--update N] [--profile] [--out FILE.json]
 
 Each side runs in its own process (``run_distributed(..., 1)``, the script's own group) through
 the worker of the scripts' tests (tests/upstream_cv.py, ``keep="times"``), ``--mixed_precision
@@ -14,6 +14,11 @@ on ``CpuGraphs`` and a timm model named by ``--model`` stands in for the script'
 ops per layer are the same kinds); on a GPU (``--device cuda``) it is the script's own model.
 What comes out, for update N (default: the third from last, where the port is held eager): each
 side's op count, and every op whose count differs, with both counts; and the port's report.
+
+``--profile``: instead of counting, ``torch.profiler`` over updates 16 to 18 of the 21 (held
+eager in the port), each side's wall time per update (behind a device sync), its profiled host
+and device time, and the ops that take the most device time (self), side by side: where an eager
+port's extra time goes on a GPU.
 """
 
 from __future__ import annotations
@@ -35,9 +40,13 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--model", default="test_resnet", help="CPU only: timm model to build")
     parser.add_argument("--update", type=int, default=-3, help="from 1; < 0: from the end")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler, not counts")
     parser.add_argument("--out")
     args = parser.parse_args()
-    result = compare(args.device, args.model, args.update)
+    if args.profile:
+        result = profile(args.device, args.model)
+    else:
+        result = compare(args.device, args.model, args.update)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
@@ -82,6 +91,89 @@ def compare(device: str, model: str, update: int) -> dict[str, Any]:
         "differing": differing,
         "port_report": report,
     }  # fmt: skip
+
+
+PROFILED = (16, 19)  # scheduler steps: the updates after the 16th up to the 19th
+
+
+def profile(device: str, model: str) -> dict[str, Any]:
+    from ddpgraph.testing import run_distributed
+    from tests import upstream, upstream_cv
+
+    script = upstream.script(upstream_cv.FOLDER, upstream_cv.NAME)
+    base = Path(tempfile.mkdtemp(prefix="cv-profile-"))
+    upstream_cv.make_images(base / "images")
+    flags = ["--mixed_precision", "bf16", *(["--cpu"] if device == "cpu" else [])]
+    built = model if device == "cpu" else ""
+    sides = {}
+    for variant in ("original", "port"):
+        run_args = (str(base), str(script), variant, flags, device, built)
+        (sides[variant],) = run_distributed(_profiled, 1, args=run_args, timeout=900, init=False)
+    return {
+        "what": "complete_cv_example.py as written and ported (--mixed_precision bf16): "
+        f"torch.profiler over the updates after scheduler step {PROFILED[0]} up to "
+        f"{PROFILED[1]} (the port held eager there)",
+        "device": device,
+        "model": model if device == "cpu" else "resnet50d (the script's)",
+        "sides": sides,
+    }
+
+
+def _profiled(
+    folder: str, script: str, variant: str, flags: list[str], device: str, model: str
+) -> dict[str, Any]:
+    import time
+
+    import torch
+    from accelerate.scheduler import AcceleratedScheduler
+    from torch.profiler import ProfilerActivity
+
+    from tests import upstream_cv
+
+    activities = [ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    steps, stamps = [0], []
+    inner = AcceleratedScheduler.step
+
+    def stepped(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = inner(self, *args, **kwargs)
+        steps[0] += 1
+        if PROFILED[0] <= steps[0] <= PROFILED[1]:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            if steps[0] == PROFILED[0]:
+                prof.start()
+            elif steps[0] == PROFILED[1]:
+                prof.stop()
+        return result
+
+    AcceleratedScheduler.step = stepped  # type: ignore[method-assign]
+    record = upstream_cv.run(folder, script, variant, flags, device, model, keep="times")
+    updates = PROFILED[1] - PROFILED[0]
+    averages = prof.key_averages()
+    # the ops that take the most device time (on the CPU: host time, there being no device)
+    if device == "cuda":
+        rows = sorted(averages, key=lambda e: -e.self_device_time_total)[:20]
+    else:
+        rows = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:20]
+    return {
+        "wall_ms_per_update": (stamps[-1] - stamps[0]) * 1e3 / updates,
+        "host_ms_per_update": sum(e.self_cpu_time_total for e in averages) / 1e3 / updates,
+        "device_ms_per_update": sum(e.self_device_time_total for e in averages) / 1e3 / updates,
+        "top_device_ops": [
+            {
+                "op": e.key,
+                "calls": e.count // updates,
+                "device_ms": e.self_device_time_total / 1e3 / updates,
+                "host_ms": e.self_cpu_time_total / 1e3 / updates,
+            }
+            for e in rows
+        ],
+        "report": record["report"],
+    }
 
 
 def _worker(
