@@ -287,18 +287,7 @@ def test_fp16_unscales_before_the_step_exactly_where_gradscaler_does(opt_name, c
     assert ours.unscaled and set(ours.unscaled) == {unscaled_first}, ours.unscaled
     given = ("found_inf",) if unscaled_first else ("grad_scale", "found_inf")
     assert ours.kernel and set(ours.kernel) == {given}, ours.kernel
-    reference = make_model()
-    opt = opt_fn(reference.parameters())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000)
     with _ScalingSeen() as theirs:
-        for x, y in data:
-            opt.zero_grad()
-            with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
-                loss = nn.functional.cross_entropy(reference(x), y)
-            scaler.scale(loss).backward()
-            if clip is not None:
-                scaler.unscale_(opt)
-            scaler.step(opt)
-            scaler.update()
+        _reference(opt_fn, data, clip, 2.0**16)
     # GradScaler checks a fused optimizer's gradients for infs with a scale of 1 (no unscale)
     assert theirs.unscaled == [unscaled_first] * len(data), theirs.unscaled

@@ -57,12 +57,12 @@ def _engine(step: Any) -> Any:
     raise SystemExit("no engine found on the TrainStep: adapt _engine()")
 
 
-def measure(layers: int, guard: str = "default") -> dict[str, Any]:
+def _warmed(layers: int, chosen: dict[str, Any], *args: Any) -> tuple[Any, Any, Any]:
+    """A TrainStep on the CPU engine called 30 times on ``args``: it, its recorded training
+    program and that graph's static inputs."""
     import ddpgraph as dg
     from ddpgraph.testing import CpuGraphs
 
-    torch.set_num_threads(1)
-    chosen = {} if guard == "default" else {"guard": guard}  # the tree's own default
     torch.manual_seed(0)
     model = build(layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -71,15 +71,21 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
         step = dg.TrainStep(
             model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2, **chosen
         )
-        x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
         for _ in range(30):
-            step(x, y)
+            step(*args)
     engine = _engine(step)
     (key,) = [k for k in engine.captured if k.role == "train"]
     # the recorded program: the graph of its entry (before 2026-12-06, a dict of its own)
     programs = getattr(engine, "_programs", None)
     program = engine.captured[key].graph if programs is None else programs[key]
-    static = engine.captured[key].static_inputs
+    return step, program, engine.captured[key].static_inputs
+
+
+def measure(layers: int, guard: str = "default") -> dict[str, Any]:
+    torch.set_num_threads(1)
+    chosen = {} if guard == "default" else {"guard": guard}  # the tree's own default
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    step, program, static = _warmed(layers, chosen, x, y)
     inner = program.replay
     rows: dict[str, list[float]] = {"added": [], "added_cpu": [], "bare": [], "clone": []}
     loss = step(x, y)
@@ -105,7 +111,7 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
     out: dict[str, Any] = {
         "layers": layers,
         "guard": guard,
-        "parameters": len(list(model.parameters())),
+        "parameters": len(list(step.model.parameters())),
     }
     for name, values in rows.items():
         out[name + "_us"] = round(statistics.median(values) * 1e6, 1)
@@ -116,25 +122,12 @@ def measure(layers: int, guard: str = "default") -> dict[str, Any]:
 def _data_added(layers: int, chosen: dict[str, Any]) -> list[float]:
     """Seconds per ``step(data)`` call with its recorded program a no-op, per block."""
     import ddpgraph as dg
-    from ddpgraph.testing import CpuGraphs
 
-    torch.manual_seed(0)
-    model = build(layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = dg.DeviceData(
         torch.randn(4 * 50, 8), torch.randint(0, 4, (4 * 50,)), batch_size=4,
         device=torch.device("cpu"),
     )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        step = dg.TrainStep(
-            model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs(), warmup=2, **chosen
-        )
-        for _ in range(30):
-            step(data)
-    engine = _engine(step)
-    (key,) = [k for k in engine.captured if k.role == "train"]
-    program = engine.captured[key].graph
+    step, program, _ = _warmed(layers, chosen, data)
     inner, blocks = program.replay, []
     program.replay = lambda: None  # type: ignore[method-assign]
     for _ in range(REPS):

@@ -53,22 +53,28 @@ def main() -> None:
         Path(args.out).write_text(text)
 
 
-def compare(device: str, model: str, update: int) -> dict[str, Any]:
+def _both_sides(worker: Any, device: str, model: str) -> dict[str, Any]:
+    """``worker``'s result for the script as written ("original") and its port, each in its
+    own process on the same images (each writes its own copy of the script and out_ folder)."""
     from ddpgraph.testing import run_distributed
     from tests import upstream, upstream_cv
 
     script = upstream.script(upstream_cv.FOLDER, upstream_cv.NAME)
-    base = Path(tempfile.mkdtemp(prefix="cv-ops-"))
+    base = Path(tempfile.mkdtemp(prefix="cv-eager-"))
     upstream_cv.make_images(base / "images")
     flags = ["--mixed_precision", "bf16", *(["--cpu"] if device == "cpu" else [])]
-    counts: dict[str, list[dict[str, int]]] = {}
-    report = ""
     built = model if device == "cpu" else ""
-    for variant in ("original", "port"):  # each writes its own copy of the script and out_ folder
+    sides = {}
+    for variant in ("original", "port"):
         run_args = (str(base), str(script), variant, flags, device, built)
-        (found,) = run_distributed(_worker, 1, args=run_args, timeout=900, init=False)
-        counts[variant] = found["per_update"]
-        report = found["report"] or report
+        (sides[variant],) = run_distributed(worker, 1, args=run_args, timeout=900, init=False)
+    return sides
+
+
+def compare(device: str, model: str, update: int) -> dict[str, Any]:
+    sides = _both_sides(_worker, device, model)
+    counts = {variant: found["per_update"] for variant, found in sides.items()}
+    report = sides["port"]["report"]
     n = min(len(counts["original"]), len(counts["port"]))
     index = update - 1 if update > 0 else n + update
     ours, theirs = Counter(counts["port"][index]), Counter(counts["original"][index])
@@ -97,18 +103,7 @@ PROFILED = (16, 19)  # scheduler steps: the updates after the 16th up to the 19t
 
 
 def profile(device: str, model: str) -> dict[str, Any]:
-    from ddpgraph.testing import run_distributed
-    from tests import upstream, upstream_cv
-
-    script = upstream.script(upstream_cv.FOLDER, upstream_cv.NAME)
-    base = Path(tempfile.mkdtemp(prefix="cv-profile-"))
-    upstream_cv.make_images(base / "images")
-    flags = ["--mixed_precision", "bf16", *(["--cpu"] if device == "cpu" else [])]
-    built = model if device == "cpu" else ""
-    sides = {}
-    for variant in ("original", "port"):
-        run_args = (str(base), str(script), variant, flags, device, built)
-        (sides[variant],) = run_distributed(_profiled, 1, args=run_args, timeout=900, init=False)
+    sides = _both_sides(_profiled, device, model)
     return {
         "what": "complete_cv_example.py as written and ported (--mixed_precision bf16): "
         f"torch.profiler over the updates after scheduler step {PROFILED[0]} up to "

@@ -55,10 +55,10 @@ class DataFeed:
         self.steps_per_replay = options.steps_per_replay
         self.device = device
         self._lr: StepwiseLR | None = None  # built at the first call: the scheduler is checked
-        self._sources: dict[int, DeviceData] = {}  # alive while graphs that read them may exist
-        # the DeviceData whose whole calls (steps=None) passed steps_of, and the batches of
-        # calls made (per token and step count): a DeviceData's device, length and shapes are
-        # fixed, so a replayed step(data) neither checks nor builds them again
+        # the DeviceData whose whole calls (steps=None) passed steps_of, and the batch of each
+        # call made (per token and step count): a DeviceData's device, length and shapes are
+        # fixed, so a replayed step(data) neither checks nor builds them again. The batches hold
+        # their DeviceData (``source``): alive while graphs that read it may exist
         self._checked: DeviceData | None = None
         self._batches: dict[tuple[int, int], Batch] = {}
 
@@ -121,33 +121,27 @@ class DataFeed:
         """One call of ``steps`` steps: ``train(batch, steps)``'s loss; if it raises, it is as if
         the call never happened (no batch or LR skipped by the next one, the count as it was)."""
         lr = self._lr if self._lr is not None else self.lr  # no property call once built
-        self._sources[data.token] = data
         batch = self._batches.get((data.token, steps))
         if batch is None:
             batch = self._batches[data.token, steps] = data_batch(data, steps)
-        if lr.scheduler is None:  # no LR to stage, check or put back: the replayed path
-            report.steps += steps
-            try:
-                loss = train(batch, steps)
-            except BaseException:
-                data.rewind()
-                report.steps -= steps
-                raise
-            data.advance(steps)
-            return loss
-        lr.check()  # before anything is counted or stepped
+        staged = lr.scheduler is not None  # else no LR to stage, check or put back (no call)
+        if staged:
+            lr.check()  # before anything is counted or stepped
+            before = lr.snapshot()
         report.steps += steps
-        before = lr.snapshot()
         try:
-            lr.prepare(steps)
+            if staged:
+                lr.prepare(steps)
             loss = train(batch, steps)
         except BaseException:
-            lr.restore(before)
+            if staged:
+                lr.restore(before)
             data.rewind()
             report.steps -= steps
             raise
         finally:
-            lr.finish()
+            if staged:
+                lr.finish()
         data.advance(steps)
         return loss
 
@@ -157,7 +151,6 @@ class DataFeed:
             self._lr.sync_epoch()
 
     def close(self) -> None:
-        self._sources.clear()
         self._batches.clear()
         self._checked = None
 
