@@ -6,7 +6,7 @@
 #
 # 1. host time of a replayed step(x, y) and step(data), three runs (issue 51; step(data)'s call
 #    path went from 25 ddpgraph calls to 12 after fb2ebbd's 41.7 us): host-time-<n>.json
-#    (benchmarks/probes/host_time_probe.py);
+#    (benchmarks/probes/host_time_probe.py), the third with a cProfile table (host-profile.txt);
 # 2. torchvision's train.py --amp as written and ported (issue 52's one GPU-only difference left):
 #    tv-adamw-2.json, the AdamW-with-clipping set's seed-2 last update, with each side's
 #    clip_grad_norm_ of that batch (its total norm: did it clip?) beside the fused AdamW write;
@@ -35,7 +35,9 @@ export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export DDPGRAPH_UPSTREAM="${DDPGRAPH_UPSTREAM:-$PWD/.upstream}"
 status=0
 for n in 1 2 3; do
-  timeout 90 python3 benchmarks/probes/host_time_probe.py --label "run$n" \
+  profile=()
+  [ "$n" = 3 ] && profile=(--profile "$out/host-profile.txt")
+  timeout 120 python3 benchmarks/probes/host_time_probe.py --label "run$n" "${profile[@]}" \
     --out "$out/host-time-$n.json" | tail -1 || status=1
 done
 timeout 120 python3 benchmarks/probes/torchvision_amp_updates.py --opt adamw --seed 2 \
