@@ -362,6 +362,8 @@ def test_complete_cv_example_ported_is_the_script_bit_for_bit_on_two_ranks(tmp_p
             _same(ours[key], theirs[key], f"rank {rank} {key}")
         assert _replays(ours["report"]) > 0, ours["report"]
         assert "held eager" in ours["report"], ours["report"]
+        # two processes: prepare() wraps the model in DDP, and the step wraps it likewise
+        assert (ours["ddp_wrappers"], theirs["ddp_wrappers"]) == (1, 1), rank
 
 
 def test_the_gpu_tests_port_of_complete_cv_example_applies_to_the_pinned_script():

@@ -311,7 +311,17 @@ def test_the_amp_updates_probe_records_each_sides_clipping_of_the_parting_batch(
         assert clips[0]["total_norm"] > 0 and clips[0]["tensors"] > 100, (side, clips)
         ops = [w["op"] for w in writes if "op" in w]
         assert ops == ["aten._fused_adamw_.tensor_lr"], (side, writes)
-    assert seen["original"][1]["clip"] == seen["port"][1]["clip"], seen
+    clips = {side: writes[1]["clip"] for side, writes in seen.items()}
+    # the script's own call, and the step's (foreach on every device, as on CUDA by default)
+    assert (clips["original"]["kwargs"], clips["port"]["kwargs"]) == ({}, {"foreach": "True"})
+    assert clips["original"]["total_norm"] == clips["port"]["total_norm"], clips
+    compared = probe.compare_clips(seen)
+    assert (compared["digests"], compared["foreach_norms"], compared["vector_norms"]) == (
+        [],
+        [],
+        [],
+    ), compared
+    assert clips["port"]["grads"]["count"] == clips["port"]["tensors"], clips["port"]["grads"]
 
 
 def test_the_amp_updates_probe_tells_the_two_arithmetics_apart():

@@ -138,6 +138,7 @@ def run(
     if device == "cpu" and variant == "port":
         graphs_on_the_cpu_engine()
     loader_workers_allowed()  # the script's DataLoaders start 4 workers each (num_workers=4)
+    count_ddp_wrappers(record)
     out = base / f"out_{variant}"
     sys.argv = [str(path), "--data_dir", str(base / "images"), "--output_dir", str(out), *flags]
     printed = io.StringIO()
@@ -150,6 +151,22 @@ def run(
     record["updates"] = [[sha256_of(t) for t in update] for update in record["updates"]]
     record["report"] = final_report() if keep == "times" else record.get("report", "")
     return record
+
+
+def count_ddp_wrappers(record: dict[str, Any]) -> None:
+    """``record["ddp_wrappers"]``: the DistributedDataParallel wrappers the run builds (the
+    script's ``accelerator.prepare``: one on several processes, none on one GPU process; the
+    port's step: as many)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    record["ddp_wrappers"] = 0
+    built = DistributedDataParallel.__init__
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
+        record["ddp_wrappers"] += 1
+        built(self, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = counted  # type: ignore[method-assign]
 
 
 def _graph_safe_original(

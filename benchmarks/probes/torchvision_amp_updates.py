@@ -113,7 +113,25 @@ def probe(opt: str, seed: int, epochs: int, device: str) -> dict[str, Any]:
         variant: param_writes(folder, script, variant, flags, device, env, first)
         for variant in ("original", "port")
     }
+    result["clip_comparison"] = compare_clips(result["parameter_writes"])
     return result
+
+
+def compare_clips(writes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | str:
+    """Where the two sides' clippings of the parting batch part: the gradients they read (by
+    digest), or only the norms torch computed from equal gradients."""
+    clips = {side: [w["clip"] for w in ws if "clip" in w] for side, ws in writes.items()}
+    if not all(clips.values()) or not all(c[-1].get("grads") for c in clips.values()):
+        return "no clipping recorded on both sides"
+    ours, theirs = (clips[side][-1]["grads"] for side in ("port", "original"))
+    if ours["count"] != theirs["count"]:
+        return f"{ours['count']} gradients clipped by the port, {theirs['count']} by the script"
+    pairs = range(ours["count"])
+    return {
+        key: [i for i in pairs if ours[key][i] != theirs[key][i]]
+        for key in ("digests", "foreach_norms", "vector_norms")
+    } | {side: {k: clips[side][-1]["grads"][k] for k in ("views", "misaligned", "dtypes")}
+         for side in ("port", "original")}  # fmt: skip
 
 
 def param_writes(
@@ -183,11 +201,14 @@ def _param_writes_worker(
         # the clipping of the batch (the script's and the step's both call torch's by this
         # name): its total norm says whether it scaled the gradients (norm > max_norm)
         params = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
+        grads = _grad_words(params) if batches[0] == update - 1 and not capturing else None
         norm = clip(params, max_norm, *args, **kwargs)
         if batches[0] == update - 1:
-            capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
             writes.append({"clip": {"max_norm": max_norm, "tensors": len(params),
-                                    "total_norm": None if capturing else norm.item()}})  # fmt: skip
+                                    "kwargs": {k: repr(v) for k, v in kwargs.items()},
+                                    "total_norm": None if capturing else norm.item(),
+                                    "grads": grads}})  # fmt: skip
         return norm
 
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
@@ -197,6 +218,28 @@ def _param_writes_worker(
     finally:
         torch.nn.utils.clip_grad_norm_ = clip
     return writes
+
+
+def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
+    """The gradients a clipping is about to read, as the two sides can be compared from their
+    records: a digest of each one's bytes, each one's norm as torch's foreach kernel and as
+    ``vector_norm`` give it (hex), and how many are views (DDP's bucket views) or not 16-byte
+    aligned (the foreach kernels take a slower, differently summing path for those)."""
+    import hashlib
+
+    grads = [p.grad for p in params if p.grad is not None]
+    foreach = torch._foreach_norm(grads, 2.0) if grads else []
+    return {
+        "count": len(grads),
+        "digests": [
+            hashlib.sha1(g.detach().cpu().numpy().tobytes()).hexdigest()[:12] for g in grads
+        ],
+        "foreach_norms": [float(n).hex() for n in foreach],
+        "vector_norms": [float(torch.linalg.vector_norm(g, 2.0)).hex() for g in grads],
+        "views": sum(g._base is not None for g in grads),
+        "misaligned": sum(g.data_ptr() % 16 != 0 for g in grads),
+        "dtypes": sorted({str(g.dtype) for g in grads}),
+    }
 
 
 def _tensor_words(kwargs: dict[str, Any], capturing: bool) -> dict[str, Any]:

@@ -48,6 +48,8 @@ def test_complete_cv_example_ported_is_the_script_on_the_gpu(tmp_path, precision
     assert ours["printed"] == theirs["printed"] and ours["lrs"] == theirs["lrs"]
     for key in ("losses", "updates", "logits"):
         _all_equal(ours[key], theirs[key], key)
+    # one GPU process: prepare() leaves the model unwrapped, and so does the step
+    assert (ours["ddp_wrappers"], theirs["ddp_wrappers"]) == (0, 0)
 
 
 def _all_equal(ours: object, theirs: object, where: str) -> None:

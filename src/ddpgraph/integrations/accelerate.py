@@ -138,6 +138,7 @@ def accelerator_options(
     handler = getattr(accelerator, "ddp_handler", None)
     ddp_kwargs = dict(handler.to_kwargs()) if handler is not None else {}
     ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
+    wrapping = wrapping_as_prepared(accelerator, ddp_kwargs, options)
     model.to(accelerator.device)
     # where Accelerate itself does not autocast (fp16 on a CPU: no native AMP), neither do we
     amp = amp_of(accelerator.mixed_precision) if getattr(accelerator, "native_amp", True) else None
@@ -145,11 +146,36 @@ def accelerator_options(
     return {
         "amp": amp,
         "accumulate_calls": k,
-        "ddp_kwargs": ddp_kwargs,
+        **wrapping,
         **scaler,
         **by_hand,
         **options,
     }
+
+
+def wrapping_as_prepared(
+    accelerator: Any, ddp_kwargs: dict[str, Any], options: dict[str, Any]
+) -> dict[str, Any]:
+    """TrainStep's wrapper options as ``accelerator.prepare`` wraps the model: ``ddp_kwargs``
+    where it wraps it in DDP; ``parallel="none"`` where it leaves it unwrapped (one process: no
+    DDP bucket copies or one-rank all-reduce, its DDP kwargs unused as Accelerate's are),
+    unless the script chose ``parallel`` or DDP's arguments itself."""
+    kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
+    if {"parallel", "ddp_kwargs"} & set(options) or _prepares_ddp(accelerator, kind):
+        return {"ddp_kwargs": ddp_kwargs}
+    return {"parallel": "none"}
+
+
+def _prepares_ddp(accelerator: Any, kind: str) -> bool:
+    """Whether ``accelerator.prepare(model)`` wraps the model in DDP: on several processes
+    (Accelerate's ``multi_device``), and always on ``MULTI_CPU``; not when this process is the
+    only one, even where a process group of one rank exists (``torchrun --nproc-per-node 1``)."""
+    if kind == "MULTI_CPU":
+        return True
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if grouped else 1
+    # a group of several ranks where Accelerate saw one process: DDP, as before (never unsynced)
+    return (kind == "MULTI_GPU" and accelerator.num_processes > 1) or world > 1
 
 
 def _scaler_options(accelerator: Any, options: dict[str, Any]) -> dict[str, Any]:

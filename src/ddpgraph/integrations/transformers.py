@@ -57,6 +57,7 @@ from ..step import StepReport, TrainStep
 from ._optim import OptimizerView, scaler_reports_skips
 from ._packing import MAX_LENGTHS, fixed_capacity, is_packed
 from ._trl import SFTMetrics, fixed_shape_loss, is_sft_trainer
+from .accelerate import wrapping_as_prepared
 
 if int(transformers.__version__.split(".")[0]) < 5:
     raise ImportError(
@@ -350,11 +351,22 @@ class GraphTrainer(transformers.Trainer):
             clip_grad_norm=clip,
             grad_norm=clip is None,
             scheduler=self.lr_scheduler,
-            ddp_kwargs={} if self._fsdp2 else _ddp_kwargs(args),
+            **self._wrapping(),
             **self._compile_options(),
             **{"on_new_shape": "capture", **self.step_options},
         )
         return self.train_step
+
+    def _wrapping(self) -> dict[str, Any]:
+        """DDP with the Trainer's arguments where its Accelerator's ``prepare`` wraps the model
+        (several processes), the model unwrapped where it does not (one process), FSDP2's own
+        set-up as the Trainer made it."""
+        accelerator = getattr(self, "accelerator", None)
+        if self._fsdp2:
+            return {"ddp_kwargs": {}}
+        if accelerator is None:
+            return {"ddp_kwargs": _ddp_kwargs(self.args)}
+        return wrapping_as_prepared(accelerator, _ddp_kwargs(self.args), self.step_options)
 
     @property
     def _fsdp2(self) -> bool:

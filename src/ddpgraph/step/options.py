@@ -68,9 +68,12 @@ class StepOptions:
             param-group values (the LR) the script set in between, as llm.c's loop sets the LR
             after its micro-steps. A graph of its own; ``TrainStep.grad_norm`` is set by it.
         parallel: "auto" (DDP with a process group; FSDP2 for a model sharded with
-            ``fully_shard``), "ddp", or "fsdp2": shard a plain model with FSDP2 here
+            ``fully_shard``), "ddp", "fsdp2": shard a plain model with FSDP2 here
             (``fully_shard`` each block with parameters of every ``nn.ModuleList`` /
-            ``nn.Sequential``, then the model; see ``ddpgraph.step.parallel.fsdp2.shard_blocks``).
+            ``nn.Sequential``, then the model; see ``ddpgraph.step.parallel.fsdp2.shard_blocks``),
+            or "none": the module unwrapped, on a process group of one rank too (what
+            ``accelerator.prepare`` does on one process: no DDP bucket copies or one-rank
+            all-reduce); refused with more ranks, a sharded model or ``ddp_kwargs``.
         check_finite: stop at the first update whose loss or gradients are NaN or inf with a
             :class:`~ddpgraph.NonFiniteError` naming that step, raised alike on every rank (a
             call or two later on CUDA: the flag is read back without a host sync per step; at

@@ -3,7 +3,7 @@
 :func:`wrap` picks the implementation: :class:`~.fsdp2.FSDP2` for a model sharded with
 ``fully_shard`` (or with ``parallel="fsdp2"``, sharded here), :class:`~.ddp.DDP`
 (DistributedDataParallel) for any other model when a process group exists, :class:`~.local.Local`
-(the module as is) otherwise. Each implements :class:`DataParallel`'s three protocols
+(the module as is) otherwise, or with ``parallel="none"`` on a group of one rank. Each implements :class:`DataParallel`'s three protocols
 (:mod:`.base`); the step body holds it as a :class:`GradSync`, the runner's decision and
 construction as a :class:`CaptureGate`, the paths between calls and after a failed capture as a
 :class:`Recovery`. :mod:`.dtensor` reads DTensors (FSDP2's) with no FSDP2 state.
@@ -39,8 +39,8 @@ __all__ = [
     "wrap",
 ]
 
-ParallelMode = Literal["auto", "ddp", "fsdp2"]
-PARALLEL_CHOICES = ("auto", "ddp", "fsdp2")
+ParallelMode = Literal["auto", "ddp", "fsdp2", "none"]
+PARALLEL_CHOICES = ("auto", "ddp", "fsdp2", "none")
 
 
 def wrap(
@@ -51,12 +51,16 @@ def wrap(
     parallel: ParallelMode = "auto",
 ) -> DataParallel:
     """The wrapper for ``module`` in this process: FSDP2 for a sharded model (or
-    ``parallel="fsdp2"``), else DDP with a process group, else the module."""
+    ``parallel="fsdp2"``), else DDP with a process group, else (or ``parallel="none"``) the
+    module."""
     from .fsdp2 import FSDP2, find_fsdp2, shard_blocks
 
     grouped = dist.is_available() and dist.is_initialized()
     inner = getattr(module, "_orig_mod", module)  # torch.compile's
     sharded = bool(find_fsdp2(inner))
+    if parallel == "none":
+        check_alone(sharded, dist.get_world_size() if grouped else 1, ddp_kwargs)
+        return Local(module)
     if parallel == "ddp" and sharded:
         raise ConfigError(
             "TrainStep(parallel='ddp') got a model sharded with fully_shard; pass "
@@ -88,6 +92,27 @@ def wrap(
 
     check_graph_registration(device)
     return DDP(module, device, stream, ddp_kwargs)
+
+
+def check_alone(sharded: bool, world_size: int, ddp_kwargs: Mapping[str, Any]) -> None:
+    """``parallel="none"`` trains the module unwrapped on this rank alone, as
+    ``accelerator.prepare`` does on one process: refused where gradients would need a sync."""
+    if sharded:
+        raise ConfigError(
+            "TrainStep(parallel='none') got a model sharded with fully_shard, whose gradients "
+            "FSDP2 reduces; pass parallel='auto' (or 'fsdp2'), or the model before sharding it."
+        )
+    if world_size > 1:
+        raise ConfigError(
+            f"TrainStep(parallel='none') trains the module on this rank alone, but the process "
+            f"group has {world_size} ranks: their gradients would never be averaged and the "
+            "replicas would drift apart; pass parallel='auto' (DDP) or 'fsdp2'."
+        )
+    if ddp_kwargs:
+        raise ConfigError(
+            f"ddp_kwargs={dict(ddp_kwargs)!r} are DistributedDataParallel's arguments, but "
+            "parallel='none' trains the module unwrapped; drop them, or pass parallel='auto'."
+        )
 
 
 def unwrap(model: nn.Module) -> nn.Module:
