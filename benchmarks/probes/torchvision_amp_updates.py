@@ -127,9 +127,15 @@ def compare_clips(writes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | s
     if ours["count"] != theirs["count"]:
         return f"{ours['count']} gradients clipped by the port, {theirs['count']} by the script"
     pairs = range(ours["count"])
+    aligned = ours.get("aligned_foreach_norms", ours["foreach_norms"])
     return {
         key: [i for i in pairs if ours[key][i] != theirs[key][i]]
         for key in ("digests", "foreach_norms", "vector_norms")
+    } | {
+        # the port's gradients copied to aligned allocations against the script's own
+        "aligned_foreach_norms_vs_script": [
+            i for i in pairs if aligned[i] != theirs["foreach_norms"][i]
+        ],
     } | {side: {k: clips[side][-1]["grads"][k] for k in ("views", "misaligned", "dtypes")}
          for side in ("port", "original")}  # fmt: skip
 
@@ -223,18 +229,24 @@ def _param_writes_worker(
 def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
     """The gradients a clipping is about to read, as the two sides can be compared from their
     records: a digest of each one's bytes, each one's norm as torch's foreach kernel and as
-    ``vector_norm`` give it (hex), and how many are views (DDP's bucket views) or not 16-byte
-    aligned (the foreach kernels take a slower, differently summing path for those)."""
+    ``vector_norm`` give it (hex) and as the foreach kernel gives a copy of it where it is not
+    aligned, and how many are views (DDP's bucket views) or not 16-byte aligned (the foreach
+    kernels take a slower, differently summing path for those)."""
     import hashlib
 
     grads = [p.grad for p in params if p.grad is not None]
     foreach = torch._foreach_norm(grads, 2.0) if grads else []
+    # the same gradients each in an allocation of its own (a copy where one is not aligned to
+    # the foreach kernels' 4-element vector): the layout of a script's own gradients
+    copied = [g if g.data_ptr() % (4 * g.element_size()) == 0 else g.clone() for g in grads]
+    aligned = torch._foreach_norm(copied, 2.0) if grads else []
     return {
         "count": len(grads),
         "digests": [
             hashlib.sha1(g.detach().cpu().numpy().tobytes()).hexdigest()[:12] for g in grads
         ],
         "foreach_norms": [float(n).hex() for n in foreach],
+        "aligned_foreach_norms": [float(n).hex() for n in aligned],
         "vector_norms": [float(torch.linalg.vector_norm(g, 2.0)).hex() for g in grads],
         "views": sum(g._base is not None for g in grads),
         "misaligned": sum(g.data_ptr() % 16 != 0 for g in grads),
