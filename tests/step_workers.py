@@ -368,3 +368,37 @@ def planned_warmups(requested: list[int | None]) -> list[int]:
         step = TrainStep(model, opt, nn.CrossEntropyLoss(), warmup=warmup)
         planned.append(step._runner.warmup)
     return planned
+
+
+def norm_paths() -> dict[str, tuple[int, int]]:
+    """For each ``ddp_kwargs`` (none; ``gradient_as_bucket_view`` True; False): how many times
+    two clipped steps and two measured ones took ``norm_as_unbucketed`` (a group of one rank)."""
+    from ddpgraph.step.parallel import ddp
+
+    calls = [0]
+    unbucketed = ddp.norm_as_unbucketed
+
+    def counted(grads):
+        calls[0] += 1
+        return unbucketed(grads)
+
+    ddp.norm_as_unbucketed = counted
+    seen = {}
+    for name, kwargs in (
+        ("default", {}),
+        ("bucket_views_said", {"gradient_as_bucket_view": True}),
+        ("copies_said", {"gradient_as_bucket_view": False}),
+    ):
+        counts = []
+        for options in ({"clip_grad_norm": 1.0}, {"grad_norm": True}):
+            calls[0] = 0
+            model = make_model()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            step = TrainStep(model, opt, nn.CrossEntropyLoss(), graph="never", ddp_kwargs=kwargs,
+                             **options)  # fmt: skip
+            for x, y in batches(2, 8):
+                step(x, y)
+            counts.append(calls[0])
+        seen[name] = (counts[0], counts[1])
+    ddp.norm_as_unbucketed = unbucketed
+    return seen

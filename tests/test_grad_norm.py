@@ -122,3 +122,57 @@ def test_the_grad_norm_on_two_ranks_is_the_ddp_loops():
         assert result["replays"] > 0
         for a, b in zip(result["ours"], result["theirs"]):
             assert torch.equal(a, b)
+
+
+def _bucket_views(sizes, dtype=torch.float32):
+    """Gradients laid out as DDP's ``gradient_as_bucket_view`` lays them: views one after
+    another into a flat bucket, so one after an odd-sized one starts off the 16-byte grid."""
+    bucket = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(0), dtype=dtype)
+    return list(torch.split(bucket, sizes))
+
+
+def test_the_norm_copies_exactly_the_bucket_views_off_the_kernels_vector_grid(monkeypatch):
+    """``norm_as_unbucketed`` hands torch's foreach norm each gradient aligned to its 4-element
+    vectors as it is, and a copy (its own allocation) of each one that is not: the layout of a
+    DDP script's own gradients (torch's gradient_as_bucket_view=False), whose norms the foreach
+    kernel on CUDA sums in its vectorized order; the total is torch's over those."""
+    from ddpgraph.step.parallel import ddp
+
+    grads = _bucket_views([8, 3, 16, 5, 64, 1, 7])
+    handed = []
+    total_norm = torch.nn.utils.get_total_norm
+
+    def seen(tensors, *args, **kwargs):
+        handed.extend(tensors)
+        return total_norm(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", seen)
+    total = ddp.norm_as_unbucketed(grads)
+    off_grid = [g.data_ptr() % 16 != 0 for g in grads]
+    assert off_grid == [False, False, True, True, False, False, True], off_grid
+    for grad, given, off in zip(grads, handed, off_grid, strict=True):
+        assert (given.data_ptr() == grad.data_ptr()) is not off
+        assert given.data_ptr() % 16 == 0 and torch.equal(given, grad)
+    alone = [g.clone() for g in grads]
+    assert torch.equal(total, total_norm(alone, foreach=True))
+
+
+def test_the_steps_ddp_takes_that_norm_unless_the_script_chose_the_bucket_views(monkeypatch):
+    """Clipping and ``grad_norm`` go through ``norm_as_unbucketed`` where the step chose
+    gradient_as_bucket_view=True (its default); a script that passed the flag itself (its own
+    DDP's gradients were views) gets torch's ``clip_grad_norm_`` on the views, as it did."""
+    results = run_distributed(step_workers.norm_paths, 1, timeout=180)
+    assert results == [{"default": (2, 2), "bucket_views_said": (0, 0), "copies_said": (0, 0)}]
+
+
+def test_a_sparse_gradient_is_normed_as_torch_norms_it():
+    """A sparse gradient (``nn.Embedding(sparse=True)``, which DDP takes) has no data pointer
+    and is no bucket view: it goes to torch's norm as it is."""
+    from ddpgraph.step.parallel import ddp
+
+    embedding = nn.Embedding(10, 4, sparse=True)
+    embedding(torch.tensor([1, 2, 2])).sum().backward()
+    grads = [embedding.weight.grad, *_bucket_views([3, 5])]
+    assert grads[0].is_sparse
+    total = ddp.norm_as_unbucketed(grads)
+    assert torch.equal(total, torch.nn.utils.get_total_norm(grads, foreach=True))

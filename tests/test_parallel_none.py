@@ -58,21 +58,70 @@ def test_from_accelerator_wraps_in_ddp_where_prepare_does(ranks):
     assert seen == [{"kind": "MULTI_CPU", "prepare": True, "step": True}] * ranks, seen
 
 
-def test_prepares_ddp_follows_accelerates_rule():
+@pytest.mark.parametrize("world", [None, 1, 2])
+def test_prepares_ddp_follows_accelerates_rule(monkeypatch, world):
     """Accelerate's ``prepare``: DDP on several GPU processes (``multi_device``), always on
-    MULTI_CPU, never with distributed_type NO; the process group is the one this process sees
-    (none here)."""
+    MULTI_CPU, never with distributed_type NO; here with no process group, a group of one rank
+    (``torchrun --nproc-per-node 1``: MULTI_GPU with one process, unwrapped) and a group of two
+    that Accelerate did not count (DDP, as before: never unsynced replicas)."""
     from types import SimpleNamespace
 
+    import torch.distributed as dist
+
     from ddpgraph.integrations.accelerate import _prepares_ddp
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: world is not None)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
 
     def told(n):
         return SimpleNamespace(num_processes=n)
 
-    assert not _prepares_ddp(told(1), "MULTI_GPU")
+    several = world == 2
+    assert _prepares_ddp(told(1), "MULTI_GPU") is several
     assert _prepares_ddp(told(2), "MULTI_GPU")
     assert _prepares_ddp(told(1), "MULTI_CPU")
-    assert not _prepares_ddp(told(1), "NO")
+    assert _prepares_ddp(told(1), "NO") is several
+
+
+@pytest.mark.parametrize(
+    ("options", "said", "wrapping"),
+    [
+        ({}, False, {"parallel": "none"}),  # prepare leaves the model unwrapped: so does the step
+        ({}, True, {"ddp_kwargs": {"bucket_cap_mb": 1}}),  # the script's own DDP arguments
+        ({"parallel": "none"}, False, {}),  # the framework's DDP arguments dropped
+        ({"parallel": "none"}, True, {"ddp_kwargs": {"bucket_cap_mb": 1}}),  # refused by the step
+        ({"parallel": "ddp"}, False, {"ddp_kwargs": {"bucket_cap_mb": 1}}),
+    ],
+)
+def test_wrapping_as_prepared_on_one_gpu_process_keeps_what_the_script_chose(
+    options, said, wrapping
+):
+    from types import SimpleNamespace
+
+    from ddpgraph.integrations.accelerate import wrapping_as_prepared
+
+    one_gpu = SimpleNamespace(distributed_type=SimpleNamespace(name="MULTI_GPU"), num_processes=1)
+    seen = wrapping_as_prepared(one_gpu, {"bucket_cap_mb": 1}, options, ddp_kwargs_said=said)
+    assert seen == wrapping
+
+
+def test_from_accelerator_keeps_the_scripts_ddp_kwargs_on_one_process():
+    """``from_accelerator(..., ddp_kwargs=...)`` where Accelerate would leave the model
+    unwrapped: the script asked for DDP's arguments, so the step builds DDP with them."""
+    from types import SimpleNamespace
+
+    from ddpgraph.integrations.accelerate import accelerator_options
+
+    one_gpu = SimpleNamespace(
+        distributed_type=SimpleNamespace(name="MULTI_GPU"), num_processes=1,
+        gradient_accumulation_steps=1, mixed_precision="no", native_amp=False,
+        device=torch.device("cpu"), ddp_handler=None, _models=[], _optimizers=[],
+    )  # fmt: skip
+    model, optimizer = w._model_and_optimizer()
+    chosen = accelerator_options(one_gpu, model, optimizer, {"ddp_kwargs": {"bucket_cap_mb": 1}})
+    assert chosen.get("ddp_kwargs") == {"bucket_cap_mb": 1} and "parallel" not in chosen, chosen
+    chosen = accelerator_options(one_gpu, model, optimizer, {})
+    assert chosen.get("parallel") == "none" and "ddp_kwargs" not in chosen, chosen
 
 
 def test_without_a_group_none_is_the_module_and_an_unknown_choice_names_the_choices():

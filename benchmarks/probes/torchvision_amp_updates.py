@@ -130,7 +130,8 @@ def compare_clips(writes: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | s
     aligned = ours.get("aligned_foreach_norms", ours["foreach_norms"])
     return {
         key: [i for i in pairs if ours[key][i] != theirs[key][i]]
-        for key in ("digests", "foreach_norms", "vector_norms")
+        for key in ("digests", "digests_zero_sign_free", "foreach_norms", "vector_norms")
+        if key in ours and key in theirs
     } | {
         # the port's gradients copied to aligned allocations against the script's own
         "aligned_foreach_norms_vs_script": [
@@ -201,29 +202,48 @@ def _param_writes_worker(
                 mode.__exit__(None, None, None)
         inner(self, **kwargs)
 
-    clip = torch.nn.utils.clip_grad_norm_
+    clip, clip_with = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grads_with_norm_
+
+    def recorded(params: list[Any], max_norm: float, kwargs: dict[str, Any], norm: Any) -> Any:
+        capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
+        if batches[0] != update - 1:
+            return norm()
+        grads = None if capturing else _grad_words(params)
+        total = norm()
+        writes.append({"clip": {"max_norm": max_norm, "tensors": len(params),
+                                "kwargs": {k: repr(v) for k, v in kwargs.items()},
+                                "total_norm": None if capturing else float(total),
+                                "grads": grads}})  # fmt: skip
+        return total
 
     def clipped(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> torch.Tensor:
-        # the clipping of the batch (the script's and the step's both call torch's by this
-        # name): its total norm says whether it scaled the gradients (norm > max_norm)
+        # the script's clipping of the batch: its total norm says whether it scaled the
+        # gradients (norm > max_norm)
         params = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
-        capturing = device == "cuda" and torch.cuda.is_current_stream_capturing()
-        grads = _grad_words(params) if batches[0] == update - 1 and not capturing else None
-        norm = clip(params, max_norm, *args, **kwargs)
-        if batches[0] == update - 1:
-            writes.append({"clip": {"max_norm": max_norm, "tensors": len(params),
-                                    "kwargs": {k: repr(v) for k, v in kwargs.items()},
-                                    "total_norm": None if capturing else norm.item(),
-                                    "grads": grads}})  # fmt: skip
-        return norm
+        return recorded(params, max_norm, kwargs, lambda: clip(params, max_norm, *args, **kwargs))
+
+    def clipped_with(parameters: Any, max_norm: float, total: Any, **kwargs: Any) -> Any:
+        # the step's under DDP (its total norm taken first: parallel.ddp.norm_as_unbucketed);
+        # torch's clip_grad_norm_ calls this function by its module's own name, not this one
+        params = list(parameters) if not isinstance(parameters, torch.Tensor) else [parameters]
+        recorded(params, max_norm, kwargs, lambda: total)
+        return clip_with(params, max_norm, total, **kwargs)
 
     utils.MetricLogger.update = logged  # type: ignore[method-assign]
     torch.nn.utils.clip_grad_norm_ = clipped
+    torch.nn.utils.clip_grads_with_norm_ = clipped_with
     try:
         upstream_torchvision.run(base, script, variant, flags, out, device)
     finally:
         torch.nn.utils.clip_grad_norm_ = clip
+        torch.nn.utils.clip_grads_with_norm_ = clip_with
     return writes
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(tensor.detach().cpu().numpy().tobytes()).hexdigest()[:12]
 
 
 def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
@@ -232,8 +252,6 @@ def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
     ``vector_norm`` give it (hex) and as the foreach kernel gives a copy of it where it is not
     aligned, and how many are views (DDP's bucket views) or not 16-byte aligned (the foreach
     kernels take a slower, differently summing path for those)."""
-    import hashlib
-
     grads = [p.grad for p in params if p.grad is not None]
     foreach = torch._foreach_norm(grads, 2.0) if grads else []
     # the same gradients each in an allocation of its own (a copy where one is not aligned to
@@ -242,9 +260,10 @@ def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
     aligned = torch._foreach_norm(copied, 2.0) if grads else []
     return {
         "count": len(grads),
-        "digests": [
-            hashlib.sha1(g.detach().cpu().numpy().tobytes()).hexdigest()[:12] for g in grads
-        ],
+        "digests": [_digest(g) for g in grads],
+        # -0.0 + 0.0 is 0.0: a gradient accumulated into a zeroed bucket (0 + -0.0) against
+        # one stolen from autograd (-0.0) differs only in zeros' signs, which no update sees
+        "digests_zero_sign_free": [_digest(g + 0.0) for g in grads],
         "foreach_norms": [float(n).hex() for n in foreach],
         "aligned_foreach_norms": [float(n).hex() for n in aligned],
         "vector_norms": [float(torch.linalg.vector_norm(g, 2.0)).hex() for g in grads],

@@ -40,10 +40,14 @@ AMP_SETS = {
 
 # the data seed 2 (torch's generator, $DDPGRAPH_SCRIPT_SEED): on one H100 at f039cd8, twice, only
 # the last update differed (the third epoch's short batch of 2 images, eager in the port), every
-# loss and the 11 skipped steps (the loss scale) alike; seeds 0, 1 and 3 passed. Cause not found.
-LAST_UPDATE_APART = pytest.mark.xfail(
-    strict=True, reason="adamw-clip, data seed 2: the last (short, eager) update differs on the GPU"
-)
+# loss and the 11 skipped steps (the loss scale) alike; seeds 0, 1 and 3 passed. The probe's
+# clip record (benchmarks/probes/torchvision_amp_updates.py, H100, d77237d) named it: the
+# clipping's total norm 116.18121337890625 (script) against 116.18120574951172 (port); the
+# port's gradients are DDP's bucket views (the step's gradient_as_bucket_view=True), 30 of 170
+# not aligned to the foreach norm kernel's vectors, which sums those in another order; copied
+# to aligned allocations, all 170 norms equal the script's. The step now takes the norm so
+# (``parallel.ddp.norm_as_unbucketed``); this seed is expected to pass: not yet run on a GPU
+# with it (the next receipt says).
 
 
 # the SGD set, data seeds 0 and 1: on an H100 at b726f90 and 3833ada the first real update (the
@@ -61,7 +65,7 @@ LAST_UPDATE_APART = pytest.mark.xfail(
     ("flag_set", "seed"),
     [
         ("adamw-clip", 0),
-        pytest.param("adamw-clip", 2, marks=LAST_UPDATE_APART),
+        ("adamw-clip", 2),
         ("sgd", 0),
         ("sgd", 1),
     ],

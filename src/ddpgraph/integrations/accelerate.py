@@ -137,8 +137,9 @@ def accelerator_options(
     by_hand = {"sync_every_call": True} if options.get("accumulate_calls", 1) > 1 else {}
     handler = getattr(accelerator, "ddp_handler", None)
     ddp_kwargs = dict(handler.to_kwargs()) if handler is not None else {}
-    ddp_kwargs.update(options.pop("ddp_kwargs", None) or {})
-    wrapping = wrapping_as_prepared(accelerator, ddp_kwargs, options)
+    said = options.pop("ddp_kwargs", None)
+    ddp_kwargs.update(said or {})
+    wrapping = wrapping_as_prepared(accelerator, ddp_kwargs, options, ddp_kwargs_said=bool(said))
     model.to(accelerator.device)
     # where Accelerate itself does not autocast (fp16 on a CPU: no native AMP), neither do we
     amp = amp_of(accelerator.mixed_precision) if getattr(accelerator, "native_amp", True) else None
@@ -154,14 +155,23 @@ def accelerator_options(
 
 
 def wrapping_as_prepared(
-    accelerator: Any, ddp_kwargs: dict[str, Any], options: dict[str, Any]
+    accelerator: Any,
+    ddp_kwargs: dict[str, Any],
+    options: dict[str, Any],
+    *,
+    ddp_kwargs_said: bool = False,
 ) -> dict[str, Any]:
     """TrainStep's wrapper options as ``accelerator.prepare`` wraps the model: ``ddp_kwargs``
-    where it wraps it in DDP; ``parallel="none"`` where it leaves it unwrapped (one process: no
-    DDP bucket copies or one-rank all-reduce, its DDP kwargs unused as Accelerate's are),
-    unless the script chose ``parallel`` or DDP's arguments itself."""
+    (the framework's, and the script's own where ``ddp_kwargs_said``) where it wraps it in DDP;
+    ``parallel="none"`` where it leaves it unwrapped (one process: no DDP bucket copies or
+    one-rank all-reduce; the framework's DDP arguments unused, as Accelerate leaves them).
+    A script's own ``parallel`` wins: with ``"none"`` the framework's DDP arguments are dropped
+    (the step refuses the script's own)."""
+    chosen = options.get("parallel")
+    if chosen == "none":
+        return {"ddp_kwargs": ddp_kwargs} if ddp_kwargs_said else {}
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
-    if {"parallel", "ddp_kwargs"} & set(options) or _prepares_ddp(accelerator, kind):
+    if chosen is not None or ddp_kwargs_said or _prepares_ddp(accelerator, kind):
         return {"ddp_kwargs": ddp_kwargs}
     return {"parallel": "none"}
 
@@ -306,7 +316,8 @@ class AccumulateBlocks:
             f"divided by {self.steps}, the step every {self.steps} calls. Put the call inside "
             "`with accelerator.accumulate(model):`; or, for a loop that accumulates by hand, "
             "pass last=<the loop's optimizer.step() condition> to each call (train_step(batch, "
-            "last=...); with its DDP's no_sync() on train_step.model around the other "
+            "last=...); on several processes, with its DDP's no_sync() on train_step.model "
+            "around the other "
             "micro-batches, as Accelerate's gradient_accumulation_for_autoregressive_models.py "
             "has, the sync coming back on ends the window too)."
         )

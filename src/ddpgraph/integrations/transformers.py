@@ -362,8 +362,8 @@ class GraphTrainer(transformers.Trainer):
         (several processes), the model unwrapped where it does not (one process), FSDP2's own
         set-up as the Trainer made it."""
         accelerator = getattr(self, "accelerator", None)
-        if self._fsdp2:
-            return {"ddp_kwargs": {}}
+        if self._fsdp2 or self.step_options.get("parallel") == "none":
+            return {}
         if accelerator is None:
             return {"ddp_kwargs": _ddp_kwargs(self.args)}
         return wrapping_as_prepared(accelerator, _ddp_kwargs(self.args), self.step_options)

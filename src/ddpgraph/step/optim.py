@@ -233,7 +233,9 @@ def allow_capturable_on_cpu() -> None:
     def with_cpu(supports_xla: bool = True) -> list[str]:
         return [*original(supports_xla), "cpu"]
 
-    optimizers = [m for name, m in sys.modules.items() if name.startswith("torch.optim.")]
+    # a snapshot: another thread (a DataLoader's, a Trainer's) may import while this runs
+    modules = list(sys.modules.items())
+    optimizers = [m for name, m in modules if name.startswith("torch.optim.")]
     for module in optimizers:
         if getattr(module, "_get_capturable_supported_devices", None) is original:
             module._get_capturable_supported_devices = with_cpu  # type: ignore[attr-defined]

@@ -46,7 +46,8 @@ _FORWARD_BROADCAST = (
 
 class DDP(DataParallel):
     """The module wrapped in DDP on the capture stream (``gradient_as_bucket_view=True`` unless
-    ``ddp_kwargs`` says otherwise: it made graphed steps 2-7% faster)."""
+    ``ddp_kwargs`` says otherwise: it made graphed steps 2-7% faster; its gradient norms are
+    taken as without it, :func:`norm_as_unbucketed`)."""
 
     def __init__(
         self,
@@ -60,6 +61,9 @@ class DDP(DataParallel):
             kwargs["device_ids"] = [device.index]
         kwargs.update(ddp_kwargs)
         self._kwargs, self._stream = kwargs, stream
+        # the gradients laid out in DDP's buckets by the step's default, not the script's choice:
+        # norms as the script's own gradients (each an allocation of its own) give them
+        self._norm_unbucketed = "gradient_as_bucket_view" not in ddp_kwargs
         self.inner = module
         self._script_off = False  # the script's no_sync() was on at some earlier call
         self._build()
@@ -113,6 +117,22 @@ class DDP(DataParallel):
         broadcast; a ``no_grad`` (evaluation) or ``no_sync`` forward does not."""
         if not self._stepping:
             self.buffers_due = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Torch's ``clip_grad_norm_`` (``get_total_norm``, then ``clip_grads_with_norm_``)
+        with the total norm :func:`norm_as_unbucketed` takes where the step chose the bucket
+        views."""
+        if not self._norm_unbucketed:
+            return super().clip_grad_norm_(max_norm)
+        params = self._grads_of()
+        total = norm_as_unbucketed([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        return total
+
+    def grad_norm(self) -> torch.Tensor:
+        if not self._norm_unbucketed:
+            return super().grad_norm()
+        return norm_as_unbucketed([p.grad for p in self._grads_of()])
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
@@ -209,6 +229,29 @@ class DDP(DataParallel):
                 "replaying; DDP can only recover with every rank at the same step. Pad batches "
                 "to shapes captured at the start, or pass on_new_shape='eager'."
             )
+
+
+def norm_as_unbucketed(grads: list[Any]) -> torch.Tensor:
+    """The gradients' total norm (``torch.nn.utils.get_total_norm``, foreach) as a DDP script
+    gets it: its DDP, built with torch's default ``gradient_as_bucket_view=False``, leaves each
+    gradient an allocation of its own. The step's DDP makes them views into its flat buckets,
+    where one after an odd-sized one is not aligned to the foreach kernel's 4-element vectors,
+    and the kernel sums such a one in another order: on an H100 the total norm, and with it the
+    clipping, came out an ulp apart from torchvision's ``train.py --clip-grad-norm`` (30 of 170
+    views misaligned; their aligned copies' norms equal the script's:
+    ``benchmarks/results/torchvision-amp-adamw-2-h100-d77237d.json``). Those are copied first:
+    a transient copy of those gradients only (none where every parameter's size is a multiple
+    of 4, as in most transformers); a script that passes ``gradient_as_bucket_view`` itself
+    gets torch's norm of the views, as its own DDP had."""
+    aligned = [g.clone() if _off_grid(g) else g for g in grads]
+    return torch.nn.utils.get_total_norm(aligned, foreach=True)
+
+
+def _off_grid(grad: torch.Tensor) -> bool:
+    # strided only (a sparse gradient has no data pointer, and no bucket view); a tensor whose
+    # size is not a multiple of 4 is still summed vectorized in its full 64 Ki-element chunks
+    # when aligned, so the size does not exempt one
+    return grad.layout is torch.strided and grad.data_ptr() % (4 * grad.element_size()) != 0
 
 
 def _stop_ddp_sampling(ddp: DistributedDataParallel) -> int:
