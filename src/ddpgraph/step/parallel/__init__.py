@@ -3,10 +3,11 @@
 :func:`wrap` picks the implementation: :class:`~.fsdp2.FSDP2` for a model sharded with
 ``fully_shard`` (or with ``parallel="fsdp2"``, sharded here), :class:`~.ddp.DDP`
 (DistributedDataParallel) for any other model when a process group exists, :class:`~.local.Local`
-(the module as is) otherwise, or with ``parallel="none"`` on a group of one rank. Each implements :class:`DataParallel`'s three protocols
-(:mod:`.base`); the step body holds it as a :class:`GradSync`, the runner's decision and
-construction as a :class:`CaptureGate`, the paths between calls and after a failed capture as a
-:class:`Recovery`. :mod:`.dtensor` reads DTensors (FSDP2's) with no FSDP2 state.
+(the module as is) otherwise, or with ``parallel="none"`` on a group of one rank. Each
+implements :class:`DataParallel`'s three protocols (:mod:`.base`); the step body holds it as a
+:class:`GradSync`, the runner's decision and construction as a :class:`CaptureGate`, the paths
+between calls and after a failed capture as a :class:`Recovery`. :mod:`.dtensor` reads
+DTensors (FSDP2's) with no FSDP2 state.
 """
 
 from __future__ import annotations
