@@ -16,8 +16,9 @@
 # 4. where that eager port's extra time goes: cv-eager-profile.json, torch.profiler over three
 #    held-eager updates of the script and of its port (benchmarks/probes/eager_ops_per_update.py
 #    --profile: wall, host and device ms per update and the ops taking the most device time).
-# PARTS="host tv cv profile" (the default: all four) picks parts. Each part has its own time limit and writes its JSON into $OUT (default out/); a part that
-# fails leaves the others' files. Without CUDA it refuses.
+# PARTS="host tv cv profile" (the default: all four) picks parts. Each part has its own time
+# limit and writes its JSON into $OUT (default out/); a part that fails leaves the others' files.
+# Without CUDA it refuses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-out}"
@@ -34,17 +35,26 @@ fi
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export DDPGRAPH_UPSTREAM="${DDPGRAPH_UPSTREAM:-$PWD/.upstream}"
 parts=" ${PARTS:-host tv cv profile} "  # PARTS="tv cv": only those parts
+want() { [[ "$parts" == *" $1 "* ]]; }
 status=0
-[[ "$parts" == *" host "* ]] && for n in 1 2 3; do
-  profile=()
-  [ "$n" = 3 ] && profile=(--profile "$out/host-profile.txt")
-  timeout 120 python3 benchmarks/probes/host_time_probe.py --label "run$n" "${profile[@]}" \
-    --out "$out/host-time-$n.json" | tail -1 || status=1
-done
-[[ "$parts" == *" tv "* ]] && { timeout 120 python3 benchmarks/probes/torchvision_amp_updates.py --opt adamw --seed 2 \
-  --out "$out/tv-adamw-2.json" | tail -40 || status=1; }
-[[ "$parts" == *" cv "* ]] && { timeout 200 python3 benchmarks/upstream_ports.py --scripts cv --precisions amp \
-  --out "$out/upstream-ports-cv-amp.json" | tail -5 || status=1; }
-[[ "$parts" == *" profile "* ]] && { timeout 240 python3 benchmarks/probes/eager_ops_per_update.py --device cuda --profile \
-  --out "$out/cv-eager-profile.json" | tail -5 || status=1; }
+if want host; then
+  for n in 1 2 3; do
+    profile=()
+    [ "$n" = 3 ] && profile=(--profile "$out/host-profile.txt")
+    timeout 120 python3 benchmarks/probes/host_time_probe.py --label "run$n" "${profile[@]}" \
+      --out "$out/host-time-$n.json" | tail -1 || status=1
+  done
+fi
+if want tv; then
+  timeout 120 python3 benchmarks/probes/torchvision_amp_updates.py --opt adamw --seed 2 \
+    --out "$out/tv-adamw-2.json" | tail -40 || status=1
+fi
+if want cv; then
+  timeout 200 python3 benchmarks/upstream_ports.py --scripts cv --precisions amp \
+    --out "$out/upstream-ports-cv-amp.json" | tail -5 || status=1
+fi
+if want profile; then
+  timeout 240 python3 benchmarks/probes/eager_ops_per_update.py --device cuda --profile \
+    --out "$out/cv-eager-profile.json" | tail -5 || status=1
+fi
 exit "$status"

@@ -43,6 +43,10 @@ from typing import Any
 
 import torch
 
+# imported before a script runs: tests/upstream_torchvision.py swaps torch's DDP class for a
+# function during the original's run, whose signature ddp.py's import-time check cannot read
+from ddpgraph.step.parallel.ddp import _off_grid
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -250,13 +254,13 @@ def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
     """The gradients a clipping is about to read, as the two sides can be compared from their
     records: a digest of each one's bytes, each one's norm as torch's foreach kernel and as
     ``vector_norm`` give it (hex) and as the foreach kernel gives a copy of it where it is not
-    aligned, and how many are views (DDP's bucket views) or not 16-byte aligned (the foreach
-    kernels take a slower, differently summing path for those)."""
+    aligned, and how many are views (DDP's bucket views) or off the foreach kernels' vector
+    grid (16 bytes for float32; they take a slower, differently summing path for those)."""
     grads = [p.grad for p in params if p.grad is not None]
     foreach = torch._foreach_norm(grads, 2.0) if grads else []
     # the same gradients each in an allocation of its own (a copy where one is not aligned to
     # the foreach kernels' 4-element vector): the layout of a script's own gradients
-    copied = [g if g.data_ptr() % (4 * g.element_size()) == 0 else g.clone() for g in grads]
+    copied = [g.clone() if _off_grid(g) else g for g in grads]  # as norm_as_unbucketed copies
     aligned = torch._foreach_norm(copied, 2.0) if grads else []
     return {
         "count": len(grads),
@@ -268,7 +272,7 @@ def _grad_words(params: list[torch.Tensor]) -> dict[str, Any]:
         "aligned_foreach_norms": [float(n).hex() for n in aligned],
         "vector_norms": [float(torch.linalg.vector_norm(g, 2.0)).hex() for g in grads],
         "views": sum(g._base is not None for g in grads),
-        "misaligned": sum(g.data_ptr() % 16 != 0 for g in grads),
+        "misaligned": sum(map(_off_grid, grads)),
         "dtypes": sorted({str(g.dtype) for g in grads}),
     }
 

@@ -361,12 +361,9 @@ class GraphTrainer(transformers.Trainer):
         """DDP with the Trainer's arguments where its Accelerator's ``prepare`` wraps the model
         (several processes), the model unwrapped where it does not (one process), FSDP2's own
         set-up as the Trainer made it."""
-        accelerator = getattr(self, "accelerator", None)
-        if self._fsdp2 or self.step_options.get("parallel") == "none":
+        if self._fsdp2:
             return {}
-        if accelerator is None:
-            return {"ddp_kwargs": _ddp_kwargs(self.args)}
-        return wrapping_as_prepared(accelerator, _ddp_kwargs(self.args), self.step_options)
+        return wrapping_as_prepared(self.accelerator, _ddp_kwargs(self.args), self.step_options)
 
     @property
     def _fsdp2(self) -> bool:

@@ -118,21 +118,10 @@ class DDP(DataParallel):
         if not self._stepping:
             self.buffers_due = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Torch's ``clip_grad_norm_`` (``get_total_norm``, then ``clip_grads_with_norm_``)
-        with the total norm :func:`norm_as_unbucketed` takes where the step chose the bucket
-        views."""
-        if not self._norm_unbucketed:
-            return super().clip_grad_norm_(max_norm)
-        params = self._grads_of()
-        total = norm_as_unbucketed([p.grad for p in params])
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-        return total
-
-    def grad_norm(self) -> torch.Tensor:
-        if not self._norm_unbucketed:
-            return super().grad_norm()
-        return norm_as_unbucketed([p.grad for p in self._grads_of()])
+    def total_norm(self, grads: list[Any]) -> torch.Tensor:
+        """Where the step chose the bucket views, the norm :func:`norm_as_unbucketed` takes
+        (clipping's and ``grad_norm``'s)."""
+        return norm_as_unbucketed(grads) if self._norm_unbucketed else super().total_norm(grads)
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
