@@ -178,18 +178,18 @@ class DataParallel(GradSync, CaptureGate, Recovery):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients to ``max_norm`` on the device (no host sync); the total norm, as
         ``torch.nn.utils.clip_grad_norm_`` returns it in the eager loop (its two halves:
-        :meth:`total_norm`, then ``clip_grads_with_norm_``)."""
+        ``_total_norm``, then ``clip_grads_with_norm_``)."""
         params = self._grads_of()
-        total = self.total_norm([p.grad for p in params])
+        total = self._total_norm([p.grad for p in params])
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
         return total
 
     def grad_norm(self) -> torch.Tensor:
         """The total (2-)norm of the gradients, without clipping, on the device (no host sync):
         the value :meth:`clip_grad_norm_` would return."""
-        return self.total_norm([p.grad for p in self._grads_of()])
+        return self._total_norm([p.grad for p in self._grads_of()])
 
-    def total_norm(self, grads: list[Any]) -> torch.Tensor:
+    def _total_norm(self, grads: list[Any]) -> torch.Tensor:
         """``torch.nn.utils.get_total_norm`` (foreach), as ``clip_grad_norm_`` takes it."""
         return torch.nn.utils.get_total_norm(grads, foreach=True)
 

@@ -118,10 +118,10 @@ class DDP(DataParallel):
         if not self._stepping:
             self.buffers_due = torch.is_grad_enabled() and self.ddp.require_backward_grad_sync
 
-    def total_norm(self, grads: list[Any]) -> torch.Tensor:
+    def _total_norm(self, grads: list[Any]) -> torch.Tensor:
         """Where the step chose the bucket views, the norm :func:`norm_as_unbucketed` takes
         (clipping's and ``grad_norm``'s)."""
-        return norm_as_unbucketed(grads) if self._norm_unbucketed else super().total_norm(grads)
+        return norm_as_unbucketed(grads) if self._norm_unbucketed else super()._total_norm(grads)
 
     def sync_buffers(self) -> None:
         """Rank 0's buffers to every rank: what DDP's forward does first (its ``_sync_buffers``,
