@@ -7,15 +7,26 @@
 #   python benchmarks/gpu_receipt.py merge PART1_DIR PART2_DIR --expect-head \
 #       --out benchmarks/results/gpu-tests-h200.json
 #
-# PART is 1 or 2 (the test files, sorted, split in two halves) or "all" (one run, on a machine
-# with no call limit). Each part leaves gpu-tests-PART.xml (JUnit), gpu-env-PART.json (tree
-# hashes, versions) and gpu-tests-PART.log in $OUT (default ./out). Wheels in .whl/ are installed
-# first: the GPU image has torch but not msgspec (a core dependency), trl, datasets or jsonargparse.
+# PART is 1 or 2 (the test files, sorted, split in two halves), "all" (one run, on a machine
+# with no call limit) or "only" (the files FILES names: a check, not a receipt). Each part leaves
+# gpu-tests-PART.xml (JUnit), gpu-env-PART.json (tree hashes, versions) and gpu-tests-PART.log in
+# $OUT (default ./out). Wheels in .whl/ are installed first: the GPU image has torch but not
+# msgspec (a core dependency), trl, datasets or jsonargparse.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-all}"
 out="${OUT:-out}"
 mkdir -p "$out"
+mapfile -t files < <(ls tests/gpu/test_*.py | sort)
+half=$(((${#files[@]} + 1) / 2))
+case "$part" in
+  1) selected=("${files[@]:0:half}") ;;
+  2) selected=("${files[@]:half}") ;;
+  all) selected=("${files[@]}") ;;
+  only) read -ra selected <<<"${FILES:-}"  # FILES="tests/gpu/a.py tests/gpu/b.py": those alone
+    [ "${#selected[@]}" -gt 0 ] || { echo "gpu_suite.sh only: set FILES to the test files" >&2; exit 2; } ;;
+  *) echo "gpu_suite.sh: PART must be 1, 2, all or only (with FILES), not '$part'" >&2; exit 2 ;;
+esac
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -23,15 +34,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/ddpgraph-site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-
-mapfile -t files < <(ls tests/gpu/test_*.py | sort)
-half=$(((${#files[@]} + 1) / 2))
-case "$part" in
-  1) selected=("${files[@]:0:half}") ;;
-  2) selected=("${files[@]:half}") ;;
-  all) selected=("${files[@]}") ;;
-  *) echo "gpu_suite.sh: PART must be 1, 2 or all, not '$part'" >&2; exit 2 ;;
-esac
 
 python3 benchmarks/gpu_receipt.py env --out "$out/gpu-env-$part.json" || exit 1
 # A part stops itself well inside the device's 10-minute call so its JUnit file is still written
