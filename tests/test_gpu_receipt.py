@@ -139,3 +139,31 @@ def test_merge_refuses_a_run_without_a_gpu(tmp_path):
     (tmp_path / "gpu-tests-1.xml").write_text('<testsuites><testsuite name="pytest"/></testsuites>')
     with pytest.raises(SystemExit, match="without a GPU"):
         receipt.merge([tmp_path], expect_head=False)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize(
+    ("part", "files", "said"),
+    [
+        ("only", None, "set FILES to the test files"),
+        ("only", "   ", "set FILES to the test files"),
+        ("3", None, "PART must be 1, 2, all or only (with FILES), not '3'"),
+    ],
+)
+def test_gpu_suite_refuses_a_part_it_cannot_run_before_installing_anything(
+    tmp_path, part, files, said
+):
+    env = {k: v for k, v in os.environ.items() if k != "FILES"}
+    env["OUT"] = str(tmp_path / "out")
+    if files is not None:
+        env["FILES"] = files
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks/gpu_suite.sh"), part],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr
+    assert not list((tmp_path / "out").iterdir())  # no env file, no JUnit, no log
