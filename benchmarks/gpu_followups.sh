@@ -16,6 +16,9 @@
 # 4. where that eager port's extra time goes: cv-eager-profile.json, torch.profiler over three
 #    held-eager updates of the script and of its port (benchmarks/probes/eager_ops_per_update.py
 #    --profile: wall, host and device ms per update and the ops taking the most device time).
+# 5. (PARTS=ab, not in the default) the host time of part 1 for another tree's src/ (AB_SRC=DIR,
+#    carried beside this one) and for this one, alternating three times on the same machine:
+#    host-ab-before-<n>.json / host-ab-after-<n>.json, a change's effect with its baseline.
 # PARTS="host tv cv profile" (the default: all four) picks parts. Each part has its own time
 # limit and writes its JSON into $OUT (default out/); a part that fails leaves the others' files.
 # Without CUDA it refuses.
@@ -43,6 +46,18 @@ if want host; then
     [ "$n" = 3 ] && profile=(--profile "$out/host-profile.txt")
     timeout 120 python3 benchmarks/probes/host_time_probe.py --label "run$n" "${profile[@]}" \
       --out "$out/host-time-$n.json" | tail -1 || status=1
+  done
+fi
+if want ab; then  # AB_SRC=DIR (another tree's src/, carried): it and this src/, alternating
+  [ -d "${AB_SRC:-}/ddpgraph" ] || { echo "gpu_followups.sh: part ab needs AB_SRC=DIR/src" >&2; exit 2; }
+  for n in 1 2 3; do
+    for side in before after; do
+      src="$PWD/src"
+      [ "$side" = before ] && src="$(cd "$AB_SRC" && pwd)"
+      PYTHONPATH="$src:${PYTHONPATH#"$PWD/src:"}" timeout 120 python3 \
+        benchmarks/probes/host_time_probe.py --label "$side$n" --out "$out/host-ab-$side-$n.json" \
+        | tail -1 || status=1
+    done
   done
 fi
 if want tv; then

@@ -226,6 +226,7 @@ class Watchdog:
         self._last: tuple[_Watched, float] = (_Watched("start", 0, None, 0.0), 0.0)
         self._replay: _Replay | None = None
         self._event: torch.cuda.Event | None = None
+        self._record_event: Callable[[torch.cuda.Event, torch.cuda.Stream], None] | None = None
         # verdict state
         self._verdict: Verdict | None = None
         self._verdict_at = 0.0
@@ -269,13 +270,19 @@ class Watchdog:
         ``timeout``. Cost: one ``cudaEventRecord``."""
         event = self._event
         if event is None:
-            import torch
-
-            with torch.cuda.device(stream.device):
-                event = self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
+            event = self._new_event(stream)
+        self._record_event(event, stream)  # type: ignore[misc]  # set with the event
         self.step = step
-        self._replay = _Replay(event, step, time.monotonic())
+        self._replay = _record(_Replay, (event, step, time.monotonic()))
+
+    def _new_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        import torch
+
+        with torch.cuda.device(stream.device):
+            self._event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        # torch.cuda.Event.record's C half: the Python wrapper only fills in a stream not given
+        self._record_event = torch._C._CudaEventBase.record
+        return self._event
 
     # ---- life cycle ----
 

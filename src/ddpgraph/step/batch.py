@@ -145,6 +145,8 @@ def _moved(tensor: torch.Tensor, device: torch.device, channels_last: bool) -> t
 
 
 _shape, _dtype, _device = attrgetter("shape"), attrgetter("dtype"), attrgetter("device")
+# a named tuple built in C: its own constructor is a Python frame on every replayed call
+_record = tuple.__new__
 
 
 def _signature(kind: Kind, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> Signature:
@@ -218,7 +220,7 @@ def make_batch(args: tuple[Any, ...], *, min_positional: int) -> Batch:
     )
     # the signature inline (as _signature): no helper frame on the replayed path
     leaves = zip(map(_shape, args), map(_dtype, args), map(_device, args))
-    return Batch("args", names, args, Signature("args", names, tuple(leaves)))
+    return Batch("args", names, args, _record(Signature, ("args", names, tuple(leaves))))
 
 
 def _require_tensor(value: object, what: str) -> None:

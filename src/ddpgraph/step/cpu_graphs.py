@@ -86,8 +86,8 @@ class CpuGraphSet(GraphTable):
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
             plan.sync_lr()  # as CudaGraphSet.replay: the LR the script set since
-        for static, tensor in zip(captured.static_inputs, batch.tensors):
-            static.copy_(tensor)
+        if batch.tensors:  # as CudaGraphSet.replay: every input in one foreach copy
+            torch._foreach_copy_(captured.static_inputs, batch.tensors)
         captured.graph.replay()
         return captured.output
 

@@ -105,8 +105,9 @@ class CudaGraphSet(GraphTable):
         plan = self.plan
         if not all(map(is_, map(lr_of, plan.optimizer.param_groups), plan.lr_tensors)):
             plan.sync_lr()  # a float the script or a scheduler set since (C-level test: no call)
-        for static, tensor in zip(captured.static_inputs, batch.tensors):
-            static.copy_(tensor, non_blocking=True)
+        if batch.tensors:  # step(data) copies nothing: its graph gathers on the device
+            # one dispatch for every input: each copy_ call is one more on the replayed path
+            torch._foreach_copy_(captured.static_inputs, batch.tensors, non_blocking=True)
         captured.graph.replay()
         hooks = self._hooks
         if hooks:
