@@ -19,6 +19,8 @@
 # 5. (PARTS=ab, not in the default) the host time of part 1 for another tree's src/ (AB_SRC=DIR,
 #    carried beside this one) and for this one, alternating three times on the same machine:
 #    host-ab-before-<n>.json / host-ab-after-<n>.json, a change's effect with its baseline.
+# 6. (PARTS=parts, not in the default) where a replayed step(x, y)'s host time goes, part by part
+#    (benchmarks/probes/host_time_parts.py), three runs: host-parts-<n>.json.
 # PARTS="host tv cv profile" (the default: all four) picks parts. Each part has its own time
 # limit and writes its JSON into $OUT (default out/); a part that fails leaves the others' files.
 # Without CUDA it refuses.
@@ -58,6 +60,12 @@ if want ab; then  # AB_SRC=DIR (another tree's src/, carried): it and this src/,
         benchmarks/probes/host_time_probe.py --label "$side$n" --out "$out/host-ab-$side-$n.json" \
         | tail -1 || status=1
     done
+  done
+fi
+if want parts; then  # where a replayed step(x, y)'s host time goes, part by part, three runs
+  for n in 1 2 3; do
+    timeout 120 python3 benchmarks/probes/host_time_parts.py --out "$out/host-parts-$n.json" \
+      | tail -1 || status=1
   done
 fi
 if want tv; then
