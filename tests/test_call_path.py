@@ -146,6 +146,22 @@ def test_the_host_time_probe_runs_on_this_tree(tmp_path):
     assert row["layers"] == 2 and row["added_us"] > 0 and row["bare_us"] > 0, row
 
 
+def test_the_host_time_parts_probe_runs_on_this_tree(tmp_path):
+    """``benchmarks/probes/host_time_parts.py`` times a replayed call's parts on the step's own
+    objects (the runner, its guard, engine and hooks): run on the CPU engine, as the GPU run will
+    reach them, so that a rename fails here. A few calls only; the figures are not judged."""
+    from .procs import run_python
+
+    out = tmp_path / "parts.json"
+    probe = str(PROBE.with_name("host_time_parts.py"))
+    args = [probe, "--calls", "5", "--width", "32", "--out", str(out)]
+    done = run_python(args, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(out.read_text())["median_host_us"]
+    assert set(found) >= {"step_call", "make_batch", "guard", "key_decide", "clone"}, found
+    assert all(value > 0 for value in found.values()), found
+
+
 def test_a_keys_plain_leaves_equal_and_hash_as_the_reports_named_ones():
     """A replayed call builds its signature's leaves as plain tuples (a C-level zip: a named
     tuple's constructor is a Python frame per tensor); ``report().captures`` shows them named

@@ -22,6 +22,9 @@ the runner's attribute tests). World size 1: no communication. Internal names of
 probe, not an API.
 
     python benchmarks/probes/host_time_parts.py [--calls 2000] [--out parts.json]
+
+Without CUDA it runs on the CPU engine (``--width 32 --calls 5``: a check that the probe still
+reaches this tree's objects; the figures are not the GPU's).
 """
 
 from __future__ import annotations
@@ -43,11 +46,11 @@ from ddpgraph.step.graphs import _current_stream
 from ddpgraph.step.policy import Call, decide
 
 
-def _mlp() -> nn.Module:
+def _mlp(width: int) -> nn.Module:
     layers: list[nn.Module] = []
     for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(1024, 10))
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def _sync() -> None:
@@ -67,10 +70,10 @@ def _median_us(fn: Callable[[], Any], calls: int, every: int) -> float:
     return round(statistics.median(times) * 1e6, 2)
 
 
-def parts(calls: int, every: int) -> dict[str, float]:
+def parts(calls: int, every: int, width: int = 1024) -> dict[str, float]:
     rt = ddpgraph.init()
     torch.manual_seed(0)
-    model = _mlp().to(rt.device)
+    model = _mlp(width).to(rt.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if rt.device.type == "cuda":
         step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss())
@@ -78,7 +81,7 @@ def parts(calls: int, every: int) -> dict[str, float]:
         from ddpgraph.testing import CpuGraphs
 
         step = ddpgraph.TrainStep(model, opt, nn.CrossEntropyLoss(), engine=CpuGraphs())
-    x = torch.randn(64, 1024, device=rt.device)
+    x = torch.randn(64, width, device=rt.device)
     y = torch.randint(10, (64,), device=rt.device)
     for _ in range(30):
         step(x, y)
@@ -130,10 +133,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--out", help="write the medians (us) as JSON here")
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's width (CPU dry run)")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"torch": torch.__version__, "device": device}
-    result["median_host_us"] = parts(args.calls, args.every)
+    result["median_host_us"] = parts(args.calls, args.every, args.width)
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:
