@@ -16,6 +16,9 @@ as the call runs them):
   graph_replay    ``CUDAGraph.replay()`` alone (the bare replay)
   hooks           the replay hooks alone (the watchdog's ``cudaEventRecord``)
   clone           ``loss.clone()`` (the copy of the loss a call returns)
+  tokens_*        an LLM's three int64 inputs copied in by a loop of ``copy_`` and by one
+                  ``torch._foreach_copy_`` (what the step does): the launches a batch of one
+                  dtype saves
 
 The parts do not add up to ``step_call`` exactly (each is timed in a loop of its own; the rest is
 the runner's attribute tests). World size 1: no communication. Internal names of this tree: a
@@ -124,8 +127,27 @@ def parts(calls: int, every: int, width: int = 1024) -> dict[str, float]:
         "graph_replay": captured.graph.replay,
         "hooks": hooks,
         "clone": loss.clone,
+        **_token_batch_copies(rt.device),
     }
     return {name: _median_us(fn, calls, every) for name, fn in timed.items()}
+
+
+def _token_batch_copies(device: torch.device) -> dict[str, Callable[[], Any]]:
+    """An LLM's batch (input_ids, attention_mask, labels: three int64 tensors of 64x512) copied
+    into static tensors as a loop of ``copy_`` does it and as one ``torch._foreach_copy_`` does
+    (on CUDA one launch for tensors of one dtype, where the MLP's float and int64 inputs take
+    one each)."""
+    batch = [torch.randint(0, 1000, (64, 512), device=device) for _ in range(3)]
+    statics = [torch.empty_like(t) for t in batch]
+
+    def loop() -> None:
+        for static, tensor in zip(statics, batch):
+            static.copy_(tensor, non_blocking=True)
+
+    return {
+        "tokens_copy_loop": loop,
+        "tokens_foreach_copy": lambda: torch._foreach_copy_(statics, batch, non_blocking=True),
+    }
 
 
 def main() -> None:
