@@ -35,11 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from host_time_probe import _mlp, _timed  # this folder: run as a script, as the probes are
 from torch import nn
 
 import ddpgraph
@@ -49,28 +49,8 @@ from ddpgraph.step.graphs import _current_stream
 from ddpgraph.step.policy import Call, decide
 
 
-def _mlp(width: int) -> nn.Module:
-    layers: list[nn.Module] = []
-    for _ in range(8):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(width, 10))
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _median_us(fn: Callable[[], Any], calls: int, every: int) -> float:
-    times = []
-    for i in range(calls):
-        if i % every == 0:
-            _sync()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    _sync()
-    return round(statistics.median(times) * 1e6, 2)
+    return round(statistics.median(_timed(fn, calls, every)) * 1e6, 2)
 
 
 def parts(calls: int, every: int, width: int = 1024) -> dict[str, float]:

@@ -31,22 +31,26 @@ from torch import nn
 import ddpgraph
 
 
-def _mlp() -> nn.Module:
+def _mlp(width: int = 1024) -> nn.Module:
     layers: list[nn.Module] = []
     for _ in range(8):
-        layers += [nn.Linear(1024, 1024), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(1024, 10))
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 def _timed(fn, calls: int, every: int) -> list[float]:
+    """Host seconds of each of ``calls`` calls of ``fn``, the device synchronized every
+    ``every`` calls outside the timed region (not at all without CUDA: host_time_parts.py's
+    CPU dry run)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
     times = []
     for i in range(calls):
         if i % every == 0:
-            torch.cuda.synchronize()
+            sync()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
+    sync()
     return times
 
 
